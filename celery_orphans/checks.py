@@ -1,0 +1,7 @@
+"""Django system checks (filled in below)."""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    pass

@@ -1,0 +1,191 @@
+"""Settings for celery-orphans, read lazily on every access.
+
+Each setting ``NAME`` is looked up as the Django setting ``CELERY_ORPHANS_NAME``, then the environment
+variable of the same name, then the documented default. Nothing is cached, so ``override_settings`` and
+pytest-django's ``settings`` fixture take effect at once, and nothing is ever written back into
+``django.conf.settings``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
+
+PREFIX = "CELERY_ORPHANS_"
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _invalid(name: str, value: object, expected: str) -> ImproperlyConfigured:
+    return ImproperlyConfigured(f"{PREFIX}{name} must be {expected}, got {value!r}.")
+
+
+def _bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _invalid(name, value, "a boolean (true/false)")
+
+
+def _number(name: str, value: object, *, minimum: float, integer: bool) -> Any:
+    if isinstance(value, bool):
+        raise _invalid(name, value, "a number")
+    try:
+        number = int(value) if integer else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise _invalid(name, value, "an integer" if integer else "a number") from None
+    if integer and isinstance(value, float) and not value.is_integer():
+        raise _invalid(name, value, "an integer")
+    if number < minimum:
+        raise _invalid(name, value, f"at least {minimum:g}")
+    return number
+
+
+def positive_int(name: str, value: object) -> int:
+    return int(_number(name, value, minimum=1, integer=True))
+
+
+def non_negative_int(name: str, value: object) -> int:
+    return int(_number(name, value, minimum=0, integer=True))
+
+
+def non_negative_float(name: str, value: object) -> float:
+    return float(_number(name, value, minimum=0, integer=False))
+
+
+def positive_float(name: str, value: object) -> float:
+    number = float(_number(name, value, minimum=0, integer=False))
+    if number == 0:
+        raise _invalid(name, value, "greater than 0")
+    return number
+
+
+def _optional_str(name: str, value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise _invalid(name, value, "a string")
+    return value
+
+
+def _key_prefix(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise _invalid(name, value, "a non-empty string without spaces")
+    return value
+
+
+def _groups(name: str, value: object) -> dict[str, bool]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _invalid(name, value, 'a JSON object such as {"summaries": true}') from None
+    if not isinstance(value, Mapping):
+        raise _invalid(name, value, "a mapping of group name to boolean")
+    return {str(group): _bool(f"{name}[{group!r}]", switch) for group, switch in value.items()}
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One setting: its name without prefix, how to parse it, its default."""
+
+    name: str
+    parse: Callable[[str, object], T]
+    default: T
+    doc: str
+
+    @property
+    def django_name(self) -> str:
+        return PREFIX + self.name
+
+    def read(self) -> T:
+        value = getattr(django_settings, self.django_name, _MISSING)
+        if value is _MISSING:
+            value = os.environ.get(self.django_name, _MISSING)
+        if value is _MISSING:
+            return self.default
+        return self.parse(self.name, value)
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Setting[T]: ...
+    @overload
+    def __get__(self, instance: object, owner: type) -> T: ...
+    def __get__(self, instance: object | None, owner: type) -> T | Setting[T]:
+        return self if instance is None else self.read()
+
+
+_MISSING: Any = object()
+
+
+class Settings:
+    """Typed access to every celery-orphans setting; see docs/settings.md."""
+
+    ENABLED = Setting("ENABLED", _bool, False, "Master switch for the reconcile sweep.")
+    GRACE_SECONDS = Setting(
+        "GRACE_SECONDS", non_negative_float, 10.0,
+        "A task younger than this (from date_started) is never judged orphaned.",
+    )
+    MAX_ATTEMPTS = Setting(
+        "MAX_ATTEMPTS", positive_int, 3,
+        "Recoveries allowed per task id within the attempts window before it is marked terminal.",
+    )
+    ATTEMPTS_WINDOW_SECONDS = Setting(
+        "ATTEMPTS_WINDOW_SECONDS", positive_int, 86_400,
+        "How long the recovery counter (and the fence against stale copies) is kept per task id.",
+    )
+    REDIS_URL = Setting(
+        "REDIS_URL", _optional_str, None,
+        "Redis/Valkey for the ledger, leases and counters; defaults to a redis:// broker URL.",
+    )
+    GROUPS = Setting("GROUPS", _groups, {}, "Per-group switches; a group not listed is on.")
+    SWEEP_INTERVAL_SECONDS = Setting(
+        "SWEEP_INTERVAL_SECONDS", positive_int, 10, "How often Beat runs the reconcile task."
+    )
+    HEARTBEAT_SECONDS = Setting(
+        "HEARTBEAT_SECONDS", positive_float, 2.0, "How often each worker renews its lease."
+    )
+    LEASE_SECONDS = Setting(
+        "LEASE_SECONDS", positive_float, 10.0, "How long a worker lease lives without renewal."
+    )
+    INSPECT_TIMEOUT_SECONDS = Setting(
+        "INSPECT_TIMEOUT_SECONDS", positive_float, 1.0,
+        "How long the sweep waits for workers to answer its one query_task broadcast.",
+    )
+    KEY_PREFIX = Setting("KEY_PREFIX", _key_prefix, "celery_orphans", "Prefix of every Redis key.")
+
+    def all(self) -> tuple[Setting[Any], ...]:
+        return tuple(v for v in vars(type(self)).values() if isinstance(v, Setting))
+
+    def redis_url(self) -> str:
+        """The Redis URL to use, falling back to the Celery broker URL when that is Redis."""
+        url = self.REDIS_URL
+        if url:
+            return url
+        broker = _celery_broker_url()
+        if broker and broker.split("://", 1)[0] in {"redis", "rediss", "valkey", "valkeys"}:
+            return broker
+        raise ImproperlyConfigured(
+            f"{PREFIX}REDIS_URL is not set and the Celery broker is not Redis; "
+            "celery-orphans needs Redis or Valkey for its ledger, leases and counters."
+        )
+
+
+def _celery_broker_url() -> str | None:
+    from celery import current_app
+
+    url = current_app.conf.broker_url
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else None
+    return str(url) if url else None
+
+
+settings = Settings()

@@ -1,0 +1,43 @@
+"""The audit log: one row for every action the reconcile took (or would have taken, in shadow mode)."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Action(models.TextChoices):
+    RECOVERED = "recovered", "Recovered"
+    MARKED_TERMINAL = "marked_terminal", "Marked terminal"
+    FORGOTTEN = "forgotten", "Forgotten (already finished)"
+
+
+class Trigger(models.TextChoices):
+    BEAT = "beat", "Beat schedule"
+    COMMAND = "command", "Management command"
+    WORKER_BOOT = "worker_boot", "Worker boot"
+    ADMIN = "admin", "Admin action"
+    API = "api", "HTTP endpoint"
+
+
+class OrphanEvent(models.Model):
+    """Something the reconcile did to an orphaned task, and the evidence that decided it."""
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    task_id = models.CharField(max_length=255, db_index=True)
+    task_name = models.CharField(max_length=255, blank=True)
+    worker = models.CharField(max_length=255, blank=True)
+    action = models.CharField(max_length=32, choices=Action.choices)
+    reason = models.CharField(max_length=64)
+    evidence = models.CharField(max_length=64, blank=True)
+    detail = models.TextField(blank=True)
+    attempt = models.PositiveIntegerField(null=True, blank=True)
+    trigger = models.CharField(max_length=32, choices=Trigger.choices)
+    triggered_by = models.CharField(max_length=150, blank=True)
+
+    class Meta:
+        ordering = ("-created_at", "-id")
+        verbose_name = "orphan event"
+        permissions = (("recover_orphans", "Can recover or mark orphaned tasks terminal"),)
+
+    def __str__(self) -> str:
+        return f"{self.get_action_display()} {self.task_name or '?'}[{self.task_id}]"

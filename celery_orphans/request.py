@@ -1,0 +1,109 @@
+"""The worker-side hook: a Celery ``Request`` class for recoverable tasks.
+
+It runs in the worker's main process, where the delivered message is at hand. Celery calls
+``Request.revoked()`` just before it hands a task to the pool; that is the last point at which a message
+can be dropped without running it, so the ledger write and the fence check happen there. Every end of an
+``acks_late`` task passes through ``acknowledge()`` or ``reject()``, where the entry is removed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from typing import Any
+
+import redis
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+from celery_orphans import leases
+from celery_orphans.ledger import Entry, Ledger, delivery_from_message, now
+from celery_orphans.store import Keys, client
+
+logger = logging.getLogger(__name__)
+
+
+def ledger() -> Ledger:
+    return Ledger(client(), Keys.current())
+
+
+class RecoverableRequestMixin:
+    """Records the delivery before it runs, drops stale copies, and forgets it once acknowledged."""
+
+    _orphans_checked: bool = False
+    _orphans_token: str | None = None
+
+    def revoked(self) -> bool:
+        if super().revoked():  # type: ignore[misc]
+            return True
+        if self._orphans_checked:
+            return False
+        self._orphans_checked = True
+        return not self._orphans_admit()
+
+    def _orphans_admit(self) -> bool:
+        req: Any = self
+        beat = leases.current()
+        if beat is None or not req.task.acks_late:
+            # Without a lease nothing could ever prove this worker dead, and without acks_late the
+            # broker has already forgotten the message: there is nothing sound to record.
+            return True
+        token = uuid.uuid4().hex
+        entry = Entry(
+            task_id=req.id,
+            task_name=req.name,
+            node=beat.node,
+            boot=beat.boot,
+            recorded_at=now(),
+            delivery=delivery_from_message(req.message),
+            token=token,
+        )
+        try:
+            admitted = ledger().admit(entry)
+        except redis.RedisError as exc:
+            # Fail open: the task runs, it just cannot be recovered if this worker dies.
+            logger.warning("celery-orphans: cannot record %s[%s] in the ledger: %s", req.name, req.id, exc)
+            return True
+        if admitted:
+            self._orphans_token = token
+            return True
+        self._orphans_drop_stale(entry)
+        return False
+
+    def _orphans_drop_stale(self, entry: Entry) -> None:
+        req: Any = self
+        logger.warning(
+            "celery-orphans: dropped a stale copy of %s[%s] (recovery attempt %d, retries %d): "
+            "the task was recovered or marked terminal after this copy was sent",
+            req.name, req.id, entry.delivery.attempt, entry.delivery.retries,
+        )
+        task_ready(req)
+        req._already_revoked = True
+        req.acknowledge()
+
+    def _orphans_release(self) -> None:
+        token, self._orphans_token = self._orphans_token, None
+        if token is None:
+            return
+        req: Any = self
+        try:
+            ledger().release(req.id, token)
+        except redis.RedisError as exc:
+            logger.warning("celery-orphans: cannot remove %s[%s] from the ledger: %s", req.name, req.id, exc)
+
+    def acknowledge(self) -> None:
+        super().acknowledge()  # type: ignore[misc]
+        self._orphans_release()
+
+    def reject(self, requeue: bool = False) -> None:
+        super().reject(requeue)  # type: ignore[misc]
+        self._orphans_release()
+
+
+@functools.lru_cache(maxsize=None)
+def recoverable_request_class(base: type[Request]) -> type[Request]:
+    """``base`` with the recoverable hooks mixed in (a project's own Request class keeps working)."""
+    if issubclass(base, RecoverableRequestMixin):
+        return base
+    return type(f"Recoverable{base.__name__}", (RecoverableRequestMixin, base), {})

@@ -1,0 +1,56 @@
+"""The Redis/Valkey connection and the names of every key celery-orphans writes."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import redis
+
+from celery_orphans.conf import settings
+
+_clients: dict[str, redis.Redis] = {}
+_clients_lock = threading.Lock()
+
+
+def client() -> redis.Redis:
+    """A client for the configured URL, shared per process and URL (redis-py pools are thread-safe)."""
+    url = settings.redis_url()
+    with _clients_lock:
+        found = _clients.get(url)
+        if found is None:
+            found = _clients[url] = redis.Redis.from_url(
+                url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
+            )
+        return found
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix. Task ids and node names are used verbatim inside keys."""
+
+    prefix: str
+
+    @classmethod
+    def current(cls) -> Keys:
+        return cls(settings.KEY_PREFIX)
+
+    @property
+    def inflight(self) -> str:
+        return f"{self.prefix}:inflight"
+
+    def entry(self, task_id: str) -> str:
+        return f"{self.prefix}:entry:{task_id}"
+
+    def fence(self, task_id: str) -> str:
+        return f"{self.prefix}:fence:{task_id}"
+
+    def lease(self, node: str, boot: str) -> str:
+        return f"{self.prefix}:lease:{node}:{boot}"
+
+    def boots(self, node: str) -> str:
+        return f"{self.prefix}:boots:{node}"
+
+    @property
+    def lock(self) -> str:
+        return f"{self.prefix}:lock"

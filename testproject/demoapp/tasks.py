@@ -1,0 +1,94 @@
+"""Example tasks: a recoverable summary, a scan that must never run twice, and helpers for tests.
+
+Every execution is recorded in Redis (``demo:runs:<task id>``: one ``start`` and one ``finish`` line
+per execution) so tests and the demo count executions, not states.
+"""
+
+import os
+import signal
+import time
+from typing import Any
+
+import redis
+from billiard import current_process
+from celery import shared_task
+from django.conf import settings
+
+from celery_orphans import recoverable
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def _record(task_id: str, event: str) -> None:
+    _redis().rpush(f"demo:runs:{task_id}", f"{event}:{os.getpid()}:{time.time()}")
+
+
+def runs(task_id: str) -> list[str]:
+    """Execution events of a task id, oldest first."""
+    return [e.decode() for e in _redis().lrange(f"demo:runs:{task_id}", 0, -1)]
+
+
+def _sleep_steps(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+
+@recoverable(group="summaries")
+@shared_task(bind=True, name="demoapp.summarize")
+def summarize(self: Any, numbers: list[int], seconds: float = 0.0) -> int:
+    """Idempotent: recomputes a sum from its arguments."""
+    _record(self.request.id, "start")
+    _sleep_steps(seconds)
+    _record(self.request.id, "finish")
+    return sum(numbers)
+
+
+@shared_task(bind=True, name="demoapp.scan")
+def scan(self: Any, target: str, seconds: float = 0.0) -> str:
+    """Not idempotent (imagine it files tickets): never re-run automatically."""
+    _record(self.request.id, "start")
+    _sleep_steps(seconds)
+    _record(self.request.id, "finish")
+    return f"scanned {target}"
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.add")
+def add(self: Any, x: int, y: int, seconds: float = 0.0) -> int:
+    _record(self.request.id, "start")
+    _sleep_steps(seconds)
+    _record(self.request.id, "finish")
+    return x + y
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.echo")
+def echo(self: Any, *args: Any, seconds: float = 0.0, **kwargs: Any) -> dict[str, Any]:
+    """Returns its arguments and the recovery metadata it was given."""
+    _record(self.request.id, "start")
+    _sleep_steps(seconds)
+    _record(self.request.id, "finish")
+    return {"args": list(args), "kwargs": kwargs, "recovery": getattr(self.request, "celery_orphans", None)}
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.collect")
+def collect(self: Any, values: list[int]) -> int:
+    """A chord body."""
+    _record(self.request.id, "start")
+    _record(self.request.id, "finish")
+    return sum(values)
+
+
+@recoverable(max_attempts=2)
+@shared_task(bind=True, name="demoapp.poison")
+def poison(self: Any) -> None:
+    """Kills the worker running it, every time."""
+    _record(self.request.id, "start")
+    time.sleep(0.2)
+    if current_process().name != "MainProcess":  # a prefork pool child: take the main process too
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,95 @@
+"""Settings of the test and demo project. Services come from the environment, with local defaults."""
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from celery_orphans import recommended_celery_settings
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+SECRET_KEY = "testproject-not-secret"
+DEBUG = True
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "testproject.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_results",
+    "django_celery_beat",
+    "celery_orphans",
+    "demoapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+STATIC_URL = "/static/"
+
+
+def _database(url: str) -> dict[str, object]:
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite":
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": unquote(parts.path[1:]) or ":memory:"}
+    if parts.scheme in {"postgres", "postgresql"}:
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": unquote(parts.path[1:]),
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(parts.port or ""),
+        }
+    raise ValueError(f"DATABASE_URL scheme {parts.scheme!r} is not supported by the test project")
+
+
+DATABASES = {
+    "default": _database(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"))
+}
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
+CELERY_RESULT_BACKEND = "django-db"
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+for _name, _value in recommended_celery_settings(
+    visibility_timeout=int(os.environ.get("TESTPROJECT_VISIBILITY_TIMEOUT", "3600")),
+    soft_shutdown_timeout=float(os.environ.get("TESTPROJECT_SOFT_SHUTDOWN_TIMEOUT", "10")),
+).items():
+    globals()[f"CELERY_{_name.upper()}"] = _value
+
+CELERY_ORPHANS_ENABLED = os.environ.get("CELERY_ORPHANS_ENABLED", "true")
+CELERY_ORPHANS_REDIS_URL = REDIS_URL
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"celery_orphans": {"handlers": ["console"], "level": "INFO"}},
+}

@@ -1,0 +1,121 @@
+"""Real ``celery worker`` subprocesses on the test project, started and killed like in production."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ROOT / "testproject"
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Worker:
+    """One worker process: its node name, log file and Popen handle."""
+
+    name: str
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        def ready() -> bool:
+            if not self.is_running():
+                raise AssertionError(f"worker {self.name} exited early:\n{self.log()[-4000:]}")
+            return " ready." in self.log()
+
+        wait_for(ready, timeout, f"worker {self.name} to be ready")
+
+    def send(self, signum: int) -> None:
+        if self.is_running():
+            os.killpg(self.process.pid, signum) if signum == signal.SIGKILL else self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL the worker and every process of its pool, as an OOM killer or node loss would."""
+        self.send(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 30) -> int:
+        self.send(signum)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+
+class WorkerPool:
+    """Starts workers for one test and makes sure none outlives it."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
+        self.tmp_path = tmp_path
+        self.env = env
+        self.workers: list[Worker] = []
+
+    def start(
+        self,
+        name: str = "w1@test",
+        *,
+        pool: str = "prefork",
+        concurrency: int = 1,
+        queues: tuple[str, ...] = ("celery",),
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> Worker:
+        log_path = self.tmp_path / f"{name.replace('@', '_')}-{len(self.workers)}.log"
+        command = [
+            sys.executable, "-m", "celery", "-A", "testproject", "worker",
+            "-n", name, "-P", pool, "-c", str(concurrency), "-Q", ",".join(queues),
+            "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                command, cwd=PROJECT, env={**self.env, **(env or {})}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        worker = Worker(name=name, log_path=log_path, process=process)
+        self.workers.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.is_running():
+                worker.kill()
+            else:
+                try:
+                    os.killpg(worker.pid, signal.SIGKILL)  # pool children left behind by a killed parent
+                except ProcessLookupError:
+                    pass
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self.workers)
