@@ -1,0 +1,141 @@
+"""Carrying out decisions: recover, mark terminal, forget.
+
+Every action starts with one atomic claim in Redis that fails if the task moved since the sweep looked
+(a worker picked it up, another sweep acted), so concurrent sweeps never act twice. The order of the
+steps after it is chosen so that a crash between any two leaves the task detectable by the next sweep
+and never runnable twice: the fence is raised before the message is sent, and the entry that finds the
+task again is removed only after the message is out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import redis
+from celery import Celery
+from django.db import DatabaseError, transaction
+from kombu.exceptions import KombuError, OperationalError
+
+from celery_orphans import audit, broker, rows
+from celery_orphans.conf import settings
+from celery_orphans.ledger import Entry, Ledger
+from celery_orphans.reconcile import Action, Candidate, Decision, Reason
+
+if TYPE_CHECKING:
+    from celery_orphans.sweep import Options, Outcome
+
+logger = logging.getLogger(__name__)
+
+ACTS = frozenset({Action.RECOVER, Action.MARK_TERMINAL, Action.FORGET})
+# A terminal fence covers every copy of the task id, whatever its retry count.
+ALL_RETRIES = 2**31 - 1
+_FAILURES = (redis.RedisError, DatabaseError, KombuError, OperationalError, OSError, ValueError)
+
+
+class Moved(Exception):  # noqa: N818
+    """The task changed since it was observed; leave it to the next sweep."""
+
+
+class Executor:
+    def __init__(self, app: Celery, ledger: Ledger, options: Options, now: datetime) -> None:
+        self.app = app
+        self.ledger = ledger
+        self.options = options
+        self.now = now
+
+    def carry_out(self, outcome: Outcome, candidate: Candidate, entry: Entry | None) -> Outcome:
+        decision = outcome.decision
+        try:
+            with transaction.atomic():
+                if decision.action is Action.RECOVER:
+                    assert entry is not None  # decide() recovers only with an entry
+                    decision = self._recover(decision, candidate, entry)
+                elif decision.action is Action.MARK_TERMINAL:
+                    self._mark_terminal(decision, candidate, entry, outcome.worker)
+                else:
+                    self._claim(decision.task_id, candidate, entry, "forget")
+                audit.record(
+                    decision, task_name=outcome.task_name, worker=outcome.worker,
+                    trigger=self.options.trigger, user=self.options.user,
+                )
+        except Moved:
+            logger.info(
+                "celery-orphans: %s[%s] changed while the sweep looked at it; left for the next sweep",
+                outcome.task_name, decision.task_id,
+            )
+            return outcome
+        except _FAILURES as exc:
+            logger.error(
+                "celery-orphans: could not %s %s[%s]: %s",
+                decision.action.value.replace("_", " "), outcome.task_name, decision.task_id, exc,
+            )
+            return dataclasses.replace(outcome, decision=decision, error=f"{type(exc).__name__}: {exc}")
+        logger.info(
+            "celery-orphans: %s %s[%s] from worker %s: %s (%s%s)",
+            _PAST[decision.action], outcome.task_name, decision.task_id, outcome.worker or "?",
+            decision.reason.value, decision.evidence.value or "no evidence needed",
+            f", attempt {decision.attempt}" if decision.action is Action.RECOVER else "",
+        )
+        return dataclasses.replace(outcome, decision=decision, done=True)
+
+    def _claim(self, task_id: str, candidate: Candidate, entry: Entry | None, mode: str) -> int:
+        claimed = self.ledger.claim(
+            task_id,
+            token=entry.token if entry else "",
+            attempts=candidate.attempts,
+            retries=entry.delivery.retries if entry and mode == "recover" else ALL_RETRIES,
+            ttl=settings.ATTEMPTS_WINDOW_SECONDS,
+            mode=mode,
+        )
+        if claimed is None:
+            raise Moved
+        return claimed
+
+    def _recover(self, decision: Decision, candidate: Candidate, entry: Entry) -> Decision:
+        attempt = self._claim(decision.task_id, candidate, entry, "recover")
+        decision = dataclasses.replace(decision, attempt=attempt)
+        rows.mark_retry(decision.task_id, f"orphaned on {entry.node}: {decision.detail}; sent again")
+        broker.publish(
+            self.app,
+            entry.delivery,
+            {
+                "attempt": attempt,
+                "recovered_at": self.now.isoformat(),
+                "evidence": decision.evidence.value,
+                "worker": entry.node,
+                "boot": entry.boot,
+            },
+        )
+        if entry.delivery.delivery_tag:
+            broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag)
+        self.ledger.release(decision.task_id, entry.token)
+        return decision
+
+    def _mark_terminal(
+        self, decision: Decision, candidate: Candidate, entry: Entry | None, worker: str
+    ) -> None:
+        self._claim(decision.task_id, candidate, entry, "terminal")
+        detail = f"orphaned on worker {worker}: {decision.detail}"
+        rows.mark_failure(decision.task_id, detail, limit_reached=decision.reason is Reason.LIMIT_REACHED)
+        broker.discard_unacked(
+            self.app, decision.task_id, entry.delivery.delivery_tag if entry else None
+        )
+        # After commit, so no worker reads a half-written state when it handles the revoke.
+        transaction.on_commit(lambda: _revoke_quietly(self.app, decision.task_id))
+
+
+def _revoke_quietly(app: Celery, task_id: str) -> None:
+    try:
+        broker.revoke(app, task_id)
+    except (KombuError, OperationalError, OSError) as exc:
+        logger.warning("celery-orphans: could not broadcast a revoke of %s: %s", task_id, exc)
+
+
+_PAST = {
+    Action.RECOVER: "recovered",
+    Action.MARK_TERMINAL: "marked terminal",
+    Action.FORGET: "forgot finished",
+}

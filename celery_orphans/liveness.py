@@ -1,0 +1,49 @@
+"""Evidence that a worker is alive: one ``query_task`` broadcast, plus the leases in Redis."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+import redis
+from celery import Celery
+
+from celery_orphans import leases
+from celery_orphans.reconcile import WorkerView
+
+logger = logging.getLogger(__name__)
+
+
+def ask_workers(
+    app: Celery, nodes: Collection[str], task_ids: Collection[str], timeout: float
+) -> dict[str, frozenset[str]]:
+    """Which of ``task_ids`` each node holds, for the nodes that answered.
+
+    One broadcast to an explicit destination list: it returns as soon as every named node has replied,
+    so live workers cost one round trip and only silent ones cost the timeout.
+    """
+    if not nodes or not task_ids:
+        return {}
+    replies = app.control.inspect(destination=sorted(nodes), timeout=timeout).query_task(*task_ids)
+    return {
+        node: frozenset(held) if isinstance(held, dict) else frozenset()
+        for node, held in (replies or {}).items()
+    }
+
+
+def observe(
+    app: Celery,
+    nodes: Collection[str],
+    task_ids: Collection[str],
+    timeout: float,
+    conn: redis.Redis | None = None,
+) -> dict[str, WorkerView]:
+    """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases."""
+    held = ask_workers(app, nodes, task_ids, timeout)
+    fresh = leases.fresh_boots(nodes, conn)
+    return {
+        node: WorkerView(
+            replied=node in held, held=held.get(node, frozenset()), fresh_boots=fresh.get(node, frozenset())
+        )
+        for node in nodes
+    }

@@ -1,0 +1,48 @@
+"""One sweep at a time across every replica.
+
+On PostgreSQL the lock is a transaction-level advisory lock: it works behind PgBouncer in transaction
+pooling and is released when the transaction ends, even if the process holding it dies. Elsewhere it is
+a Redis lock with an expiry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+
+from django.db import connections, transaction
+from redis.exceptions import LockError
+
+from celery_orphans.exceptions import SweepLocked
+from celery_orphans.store import Keys, client
+
+# A stable 32-bit key, so every replica asks PostgreSQL for the same lock.
+ADVISORY_LOCK_ID = zlib.crc32(b"celery_orphans.reconcile")
+REDIS_LOCK_SECONDS = 300
+
+
+def uses_advisory_lock(using: str = "default") -> bool:
+    return connections[using].vendor == "postgresql"
+
+
+@contextlib.contextmanager
+def sweep_lock(using: str = "default") -> Iterator[None]:
+    """Hold the sweep lock for the block, inside one database transaction; raise ``SweepLocked`` if busy."""
+    with transaction.atomic(using=using):
+        if uses_advisory_lock(using):
+            with connections[using].cursor() as cursor:
+                cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ADVISORY_LOCK_ID])
+                (acquired,) = cursor.fetchone()
+            if not acquired:
+                raise SweepLocked("another reconcile sweep holds the lock")
+            yield
+            return
+        lock = client().lock(Keys.current().lock, timeout=REDIS_LOCK_SECONDS, blocking=False)
+        if not lock.acquire(blocking=False):
+            raise SweepLocked("another reconcile sweep holds the lock")
+        try:
+            yield
+        finally:
+            with contextlib.suppress(LockError):
+                lock.release()

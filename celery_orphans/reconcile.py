@@ -1,0 +1,164 @@
+"""The decision: observations in, one decision per candidate out. No I/O happens here.
+
+A candidate is a task that some record says is running: a STARTED ``TaskResult`` row, a ledger entry, or
+both. The sweep gathers what it could observe about each one (its row, its entry, its worker's answer to
+one broadcast, the worker's lease, the recovery count) and this module decides what to do.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED", "IGNORED"})
+
+
+class Action(str, enum.Enum):
+    RECOVER = "recover"
+    MARK_TERMINAL = "mark_terminal"
+    FORGET = "forget"  # drop a ledger entry left behind by a task that finished
+    LEAVE = "leave"
+    REPORT = "report"  # cannot be judged; untouched
+
+
+class Evidence(str, enum.Enum):
+    """What proved the owner alive or gone."""
+
+    WORKER_HOLDS_TASK = "worker_holds_task"
+    WORKER_ANSWERED_WITHOUT_TASK = "worker_answered_without_task"
+    NO_REPLY_LEASE_FRESH = "no_reply_lease_fresh"
+    NO_REPLY_LEASE_LAPSED = "no_reply_lease_lapsed"
+    NO_REPLY_NO_LEASE = "no_reply_no_lease"
+    NONE = ""
+
+
+class Reason(str, enum.Enum):
+    RECOVERABLE = "recoverable"
+    NOT_RECOVERABLE = "not_recoverable"
+    GROUP_DISABLED = "group_disabled"
+    NO_LEDGER_ENTRY = "no_ledger_entry"
+    LIMIT_REACHED = "limit_reached"
+    ALREADY_FINISHED = "already_finished"
+    ALIVE = "alive"
+    IN_GRACE = "in_grace"
+    NO_WORKER = "no_worker"
+    UNKNOWN_TASK = "unknown_task"
+    UNREADABLE = "unreadable"
+
+
+ORPHAN_EVIDENCE = frozenset(
+    {Evidence.WORKER_ANSWERED_WITHOUT_TASK, Evidence.NO_REPLY_LEASE_LAPSED, Evidence.NO_REPLY_NO_LEASE}
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the records say about one task that may be running."""
+
+    task_id: str
+    task_name: str | None
+    worker: str | None
+    boot: str | None  # the owner's boot id, known only from a ledger entry
+    started_at: datetime | None
+    row_status: str | None  # None when there is no TaskResult row
+    has_entry: bool
+    attempts: int = 0  # recoveries already made
+    task_known: bool = True
+    recoverable: bool = False
+    group: str | None = None
+    max_attempts: int | None = None  # the task's own cap, if it set one
+    problem: str | None = None  # why a record could not be read
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What one node name told us: whether it answered the broadcast, which ids it holds, its leases."""
+
+    replied: bool
+    held: frozenset[str] = frozenset()
+    fresh_boots: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Policy:
+    now: datetime
+    grace: timedelta
+    max_attempts: int
+    groups: Mapping[str, bool]
+
+
+@dataclass(frozen=True)
+class Decision:
+    task_id: str
+    action: Action
+    reason: Reason
+    evidence: Evidence = Evidence.NONE
+    detail: str = ""
+    attempt: int | None = None  # the attempt a recovery sends; the count reached otherwise
+
+    @property
+    def orphaned(self) -> bool:
+        return self.evidence in ORPHAN_EVIDENCE
+
+
+def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> Decision:
+    """Decide what to do with one candidate, given what its worker said and the rules in force."""
+    c = candidate
+    if c.problem:
+        return Decision(c.task_id, Action.REPORT, Reason.UNREADABLE, detail=c.problem)
+    if not c.worker:
+        return Decision(c.task_id, Action.REPORT, Reason.NO_WORKER, detail="no worker is recorded")
+    if not c.task_name or not c.task_known:
+        return Decision(
+            c.task_id, Action.REPORT, Reason.UNKNOWN_TASK,
+            detail=f"task {c.task_name or '(no name)'!r} is not registered in this Celery app",
+        )
+    if c.started_at is None:
+        return Decision(c.task_id, Action.REPORT, Reason.UNREADABLE, detail="no start time is recorded")
+    if c.started_at > policy.now - policy.grace:
+        return Decision(c.task_id, Action.LEAVE, Reason.IN_GRACE)
+
+    evidence = judge(c, worker or WorkerView(replied=False))
+    if evidence not in ORPHAN_EVIDENCE:
+        return Decision(c.task_id, Action.LEAVE, Reason.ALIVE, evidence)
+    return _act_on_orphan(c, evidence, policy)
+
+
+def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
+    """Alive or gone, from the worker's answer first and its lease when it did not answer."""
+    if worker.replied:
+        if candidate.task_id in worker.held:
+            return Evidence.WORKER_HOLDS_TASK
+        return Evidence.WORKER_ANSWERED_WITHOUT_TASK
+    if candidate.boot is not None:
+        if candidate.boot in worker.fresh_boots:
+            return Evidence.NO_REPLY_LEASE_FRESH
+        return Evidence.NO_REPLY_LEASE_LAPSED
+    # No boot id (a row without a ledger entry): any live boot under that name may be running it.
+    return Evidence.NO_REPLY_LEASE_FRESH if worker.fresh_boots else Evidence.NO_REPLY_NO_LEASE
+
+
+def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision:
+    def terminal(reason: Reason, detail: str) -> Decision:
+        return Decision(c.task_id, Action.MARK_TERMINAL, reason, evidence, detail, c.attempts)
+
+    if c.row_status in READY_STATES:
+        return Decision(
+            c.task_id, Action.FORGET, Reason.ALREADY_FINISHED, evidence,
+            f"the task already ended {c.row_status}", c.attempts,
+        )
+    if not c.recoverable:
+        return terminal(Reason.NOT_RECOVERABLE, f"{c.task_name} is not marked @recoverable")
+    if c.group is not None and not policy.groups.get(c.group, True):
+        return terminal(Reason.GROUP_DISABLED, f"recovery of group {c.group!r} is switched off")
+    if not c.has_entry:
+        return terminal(Reason.NO_LEDGER_ENTRY, "no ledger entry holds the message to send again")
+    cap = c.max_attempts or policy.max_attempts
+    if c.attempts >= cap:
+        return terminal(Reason.LIMIT_REACHED, f"already recovered {c.attempts} of {cap} times")
+    return Decision(
+        c.task_id, Action.RECOVER, Reason.RECOVERABLE, evidence,
+        f"recovery {c.attempts + 1} of {cap}", c.attempts + 1,
+    )

@@ -1,0 +1,103 @@
+"""Reading and moving django-celery-results ``TaskResult`` rows.
+
+Writes are single conditional UPDATEs of the columns that change, never a full save: a full save (as the
+result backend does without a request) would blank the row's name, arguments and worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from celery import states
+from django.db.models import Q
+from django.utils import timezone
+from django_celery_results.models import TaskResult
+
+from celery_orphans.exceptions import RecoveryLimitReached, TaskOrphaned
+
+_FIELDS = ("task_id", "task_name", "status", "worker", "date_started", "date_created", "result")
+
+
+@dataclass(frozen=True)
+class Row:
+    task_id: str
+    task_name: str | None
+    status: str
+    worker: str | None
+    started_at: datetime | None
+    problem: str | None = None
+
+
+def started_rows(cutoff: datetime) -> list[Row]:
+    """STARTED rows whose task started before ``cutoff`` (rows without a start time use their creation)."""
+    query = TaskResult.objects.filter(status=states.STARTED).filter(
+        Q(date_started__lte=cutoff) | Q(date_started__isnull=True, date_created__lte=cutoff)
+    )
+    return [_row(values) for values in query.values(*_FIELDS)]
+
+
+def rows_by_id(task_ids: Iterable[str]) -> dict[str, Row]:
+    ids = list(task_ids)
+    if not ids:
+        return {}
+    return {v["task_id"]: _row(v) for v in TaskResult.objects.filter(task_id__in=ids).values(*_FIELDS)}
+
+
+def _row(values: dict[str, object]) -> Row:
+    worker = values["worker"] or _hostname(values["result"])
+    started = values["date_started"] or values["date_created"]
+    return Row(
+        task_id=str(values["task_id"]),
+        task_name=str(values["task_name"]) if values["task_name"] else None,
+        status=str(values["status"]),
+        worker=str(worker) if worker else None,
+        started_at=started if isinstance(started, datetime) else None,
+    )
+
+
+def _hostname(result: object) -> str | None:
+    """The node name a STARTED row keeps in its result (``{"pid": ..., "hostname": ...}``)."""
+    if not isinstance(result, str):
+        return None
+    try:
+        meta = json.loads(result)
+    except ValueError:
+        return None
+    hostname = meta.get("hostname") if isinstance(meta, dict) else None
+    return hostname if isinstance(hostname, str) and hostname else None
+
+
+def _exception_json(exc: BaseException) -> str:
+    # The shape Celery's JSON result encoding gives an exception, so AsyncResult re-raises it.
+    return json.dumps(
+        {"exc_type": type(exc).__name__, "exc_message": list(exc.args), "exc_module": type(exc).__module__}
+    )
+
+
+def _move(task_id: str, status: str, exc: BaseException, detail: str) -> int:
+    """Move a row that has not finished to ``status``; returns how many rows moved (0 or 1)."""
+    return (
+        TaskResult.objects.filter(task_id=task_id)
+        .exclude(status__in=states.READY_STATES)
+        .update(
+            status=status,
+            result=_exception_json(exc),
+            content_type="application/json",
+            content_encoding="utf-8",
+            traceback=detail,
+            date_done=timezone.now(),
+        )
+    )
+
+
+def mark_retry(task_id: str, detail: str) -> int:
+    """The task was sent again: it is no longer running, and not finished either."""
+    return _move(task_id, states.RETRY, TaskOrphaned(detail), detail)
+
+
+def mark_failure(task_id: str, detail: str, *, limit_reached: bool) -> int:
+    exc = RecoveryLimitReached(detail) if limit_reached else TaskOrphaned(detail)
+    return _move(task_id, states.FAILURE, exc, detail)

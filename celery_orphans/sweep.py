@@ -1,0 +1,183 @@
+"""The reconcile sweep: gather observations, let ``reconcile.decide`` judge them, carry out the decisions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+
+import redis
+from celery import Celery, current_app
+from django.utils import timezone
+
+from celery_orphans import actions, liveness, registry
+from celery_orphans.conf import settings
+from celery_orphans.exceptions import CeleryOrphansError, LedgerUnavailable
+from celery_orphans.ledger import Entry, Ledger
+from celery_orphans.locks import sweep_lock
+from celery_orphans.models import Trigger
+from celery_orphans.reconcile import Action, Candidate, Decision, Policy, decide
+from celery_orphans.rows import Row, rows_by_id, started_rows
+from celery_orphans.store import Keys, client
+
+logger = logging.getLogger(__name__)
+
+
+class SweepFailed(CeleryOrphansError):
+    """The sweep stopped part way; what it finished is kept and the rest is found again next time."""
+
+    def __init__(self, message: str, report: Report) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class Options:
+    trigger: Trigger
+    dry_run: bool = False
+    grace_seconds: float | None = None
+    max_attempts: int | None = None
+    user: str = ""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One decision with the names a person needs to read it."""
+
+    decision: Decision
+    task_name: str
+    worker: str
+    done: bool = False  # the action was carried out (never in a dry run)
+    error: str | None = None  # why carrying it out failed; the sweep stopped there
+
+
+@dataclass
+class Report:
+    outcomes: list[Outcome] = field(default_factory=list)
+    duration: float = 0.0
+    dry_run: bool = False
+
+    def count(self, action: Action, *, done_only: bool = False) -> int:
+        return sum(
+            1 for o in self.outcomes if o.decision.action is action and (o.done or not done_only)
+        )
+
+    def summary(self) -> str:
+        counts = Counter(o.decision.action for o in self.outcomes if o.done or self.dry_run)
+        alive = self.count(Action.LEAVE)
+        verb = "would have " if self.dry_run else ""
+        return (
+            f"{verb}recovered {counts[Action.RECOVER]} orphaned tasks, {verb}marked "
+            f"{counts[Action.MARK_TERMINAL]} terminal, {verb}forgotten {counts[Action.FORGET]} finished, "
+            f"{alive} alive or in grace, {self.count(Action.REPORT)} unreadable"
+            f" ({self.duration:.2f}s)"
+        )
+
+
+def run(options: Options, app: Celery | None = None) -> Report:
+    """Run one sweep. Raises ``SweepLocked`` if another holds the lock, ``LedgerUnavailable`` without Redis."""
+    app = app or current_app
+    started = time.monotonic()
+    if options.dry_run:
+        report = _sweep(app, options)
+    else:
+        with sweep_lock():
+            report = _sweep(app, options)
+    report.duration = time.monotonic() - started
+    logger.info("celery-orphans: %s", report.summary())
+    failure = next((o for o in report.outcomes if o.error), None)
+    if failure is not None:
+        raise SweepFailed(
+            f"stopped at {failure.task_name}[{failure.decision.task_id}]: {failure.error}", report
+        )
+    return report
+
+
+def _sweep(app: Celery, options: Options) -> Report:
+    now = timezone.now()
+    grace = timedelta(
+        seconds=settings.GRACE_SECONDS if options.grace_seconds is None else options.grace_seconds
+    )
+    policy = Policy(
+        now=now, grace=grace, max_attempts=options.max_attempts or settings.MAX_ATTEMPTS, groups=settings.GROUPS
+    )
+    try:
+        conn = client()
+        ledger = Ledger(conn, Keys.current())
+        candidates, entries = gather(app, ledger, now - grace)
+        nodes = {c.worker for c in candidates if c.worker}
+        views = liveness.observe(
+            app, nodes, [c.task_id for c in candidates], settings.INSPECT_TIMEOUT_SECONDS, conn
+        )
+    except redis.RedisError as exc:
+        raise LedgerUnavailable(f"cannot reach Redis for the ledger and leases: {exc}") from exc
+    decisions = [
+        (c, decide(c, views.get(c.worker) if c.worker else None, policy))
+        for c in sorted(candidates, key=lambda c: (c.started_at or now, c.task_id))
+    ]
+    report = Report(dry_run=options.dry_run)
+    executor = actions.Executor(app, ledger, options, now)
+    stopped = False
+    for candidate, decision in decisions:
+        outcome = Outcome(decision, candidate.task_name or "", candidate.worker or "")
+        if not options.dry_run and not stopped and decision.action in actions.ACTS:
+            outcome = executor.carry_out(outcome, candidate, entries.get(candidate.task_id))
+            stopped = outcome.error is not None
+        report.outcomes.append(outcome)
+    return report
+
+
+def gather(app: Celery, ledger: Ledger, cutoff: datetime) -> tuple[list[Candidate], dict[str, Entry]]:
+    """Every STARTED row and ledger entry older than ``cutoff``, merged by task id."""
+    rows = {row.task_id: row for row in started_rows(cutoff)}
+    ledger_ids = ledger.older_than(cutoff.timestamp())
+    extra = [task_id for task_id in ledger_ids if task_id not in rows]
+    rows.update(rows_by_id(extra))
+    ids = sorted(set(rows) | set(ledger_ids))
+    loaded = ledger.load(ids)
+    attempts = ledger.attempts(ids)
+    entries = {task_id: e for task_id, e in loaded.items() if isinstance(e, Entry)}
+    candidates = [
+        candidate(app, task_id, rows.get(task_id), loaded.get(task_id), attempts.get(task_id, 0))
+        for task_id in ids
+    ]
+    return candidates, entries
+
+
+def candidate(
+    app: Celery, task_id: str, row: Row | None, entry: Entry | str | None, attempts: int
+) -> Candidate:
+    """Merge what the row and the ledger entry say about one task."""
+    problem = entry if isinstance(entry, str) else None
+    entry = entry if isinstance(entry, Entry) else None
+    name = entry.task_name if entry else (row.task_name if row else None)
+    if entry and row and row.task_name and row.task_name != entry.task_name:
+        problem = f"the result row says {row.task_name!r} but the ledger entry says {entry.task_name!r}"
+    if row and row.problem:
+        problem = row.problem
+    starts = [t for t in (row.started_at if row else None, _entry_start(entry)) if t is not None]
+    policy = registry.policy_for(name, app) if name else None
+    return Candidate(
+        task_id=task_id,
+        task_name=name,
+        worker=entry.node if entry else (row.worker if row else None),
+        boot=entry.boot if entry else None,
+        started_at=max(starts) if starts else None,
+        row_status=row.status if row else None,
+        has_entry=entry is not None,
+        attempts=attempts,
+        task_known=bool(name) and registry.is_registered(name, app),
+        recoverable=policy is not None,
+        group=policy.group if policy else None,
+        max_attempts=policy.max_attempts if policy else None,
+        problem=problem,
+    )
+
+
+def _entry_start(entry: Entry | None) -> datetime | None:
+    if entry is None:
+        return None
+    return datetime.fromtimestamp(entry.recorded_at, tz=dt_timezone.utc)

@@ -1,0 +1,33 @@
+"""The Beat-scheduled reconcile task."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from celery_orphans import sweep
+from celery_orphans.conf import settings
+from celery_orphans.exceptions import SweepLocked
+from celery_orphans.models import Trigger
+
+logger = logging.getLogger(__name__)
+_said_disabled = False
+
+
+@shared_task(name="celery_orphans.reconcile", ignore_result=True)
+def reconcile() -> str:
+    """Find orphaned tasks, recover the recoverable ones, mark the rest terminal."""
+    global _said_disabled
+    if not settings.ENABLED:
+        if not _said_disabled:
+            logger.info("celery-orphans: CELERY_ORPHANS_ENABLED is off; the reconcile task does nothing")
+            _said_disabled = True
+        return "disabled"
+    _said_disabled = False
+    try:
+        report = sweep.run(sweep.Options(trigger=Trigger.BEAT))
+    except SweepLocked:
+        logger.info("celery-orphans: another sweep holds the lock; this one did nothing")
+        return "locked"
+    return report.summary()
