@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -8,6 +10,17 @@ from urllib.parse import quote
 import pytest
 
 from tests.workers import WorkerPool
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The suite owns one test database and one Redis database: two runs on one machine take turns.
+    path = os.path.join(tempfile.gettempdir(), "celery-orphans-tests.lock")
+    handle = open(path, "w")  # noqa: SIM115 - held open for the whole run
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    config.stash[_LOCK] = handle
+
+
+_LOCK = pytest.StashKey[object]()
 
 
 @pytest.fixture

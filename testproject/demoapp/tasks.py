@@ -92,3 +92,27 @@ def poison(self: Any) -> None:
     if current_process().name != "MainProcess":  # a prefork pool child: take the main process too
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.fail")
+def fail(self: Any) -> None:
+    _record(self.request.id, "start")
+    raise ValueError("this task always fails")
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.retry_once", max_retries=3)
+def retry_once(self: Any) -> int:
+    _record(self.request.id, "start")
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.2)
+    _record(self.request.id, "finish")
+    return self.request.retries
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.overrun", time_limit=1)
+def overrun(self: Any, seconds: float = 5.0) -> None:
+    _record(self.request.id, "start")
+    _sleep_steps(seconds)

@@ -53,7 +53,11 @@ STATIC_URL = "/static/"
 def _database(url: str) -> dict[str, object]:
     parts = urlsplit(url)
     if parts.scheme == "sqlite":
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": unquote(parts.path[1:]) or ":memory:"}
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": unquote(parts.path[1:]) or ":memory:",
+            "OPTIONS": {"timeout": 30},
+        }
     if parts.scheme in {"postgres", "postgresql"}:
         return {
             "ENGINE": "django.db.backends.postgresql",

@@ -1,0 +1,181 @@
+"""The demo: a worker is SIGKILLed mid-task, and its tasks are found and recovered, step by step.
+
+Run it with ``bash testproject/demo.sh`` (which sets up a virtualenv first). It uses SQLite unless
+DATABASE_URL is set, the local Redis when one answers, else a private redis-server it starts and stops.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ROOT / "testproject"
+STATE = ROOT / ".demo"
+WORKER = "demo@localhost"
+T0 = time.monotonic()
+
+
+def say(message: str) -> None:
+    print(f"[{time.monotonic() - T0:6.2f}s] {message}", flush=True)
+
+
+def redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_private_redis() -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("No Redis answers on 127.0.0.1:6379 and redis-server is not installed.")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while not redis_answers(port):
+        if time.monotonic() > deadline:
+            sys.exit("The private redis-server did not start.")
+        time.sleep(0.05)
+    return process, f"redis://127.0.0.1:{port}/0"
+
+
+def configure() -> subprocess.Popen[bytes] | None:
+    STATE.mkdir(exist_ok=True)
+    private = None
+    if "REDIS_URL" not in os.environ:
+        if redis_answers(6379):
+            os.environ["REDIS_URL"] = "redis://127.0.0.1:6379/12"
+        else:
+            private, os.environ["REDIS_URL"] = start_private_redis()
+    if "DATABASE_URL" not in os.environ:
+        db = STATE / "demo.sqlite3"
+        db.unlink(missing_ok=True)
+        os.environ["DATABASE_URL"] = f"sqlite:///{db}"
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
+    os.environ["CELERY_ORPHANS_ENABLED"] = "true"
+    os.environ.setdefault("CELERY_ORPHANS_GRACE_SECONDS", "3")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(PROJECT)])
+    sys.path[:0] = [str(ROOT), str(PROJECT)]
+    return private
+
+
+def start_worker(log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "testproject", "worker", "-n", WORKER, "-c", "3",
+             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+            cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while b" ready." not in log.read_bytes().split(b"celery-orphans-demo-start")[-1]:
+        if process.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"The worker did not start; see {log}")
+        time.sleep(0.05)
+    return process
+
+
+def main() -> None:
+    private_redis = configure()
+    import django
+
+    django.setup()
+    import logging
+
+    logging.getLogger("celery_orphans").setLevel(logging.WARNING)  # the demo narrates itself
+    from celery import chain
+    from django.core.management import call_command
+    from django_celery_results.models import TaskResult
+
+    from celery_orphans import sweep
+    from celery_orphans.models import Trigger
+    from celery_orphans.store import client
+    from demoapp.tasks import add, runs, scan, summarize
+
+    worker = None
+    try:
+        say(f"database {os.environ['DATABASE_URL'].split('://')[0]}, redis {os.environ['REDIS_URL'].rsplit('@')[-1]}")
+        call_command("migrate", verbosity=0)
+        client().flushdb()
+        say("migrated; Redis database emptied")
+
+        log = STATE / "worker.log"
+        log.write_text("celery-orphans-demo-start\n")
+        worker = start_worker(log)
+        say(f"worker {WORKER} is up (pid {worker.pid}), holding a lease in Redis")
+
+        summary = summarize.delay(list(range(1, 11)), seconds=8)
+        ticket = scan.delay("db-1", seconds=8)
+        pipeline = chain(add.s(2, 3, seconds=8), add.s(10)).delay()
+        say(f"sent summarize[{summary.id}]  (@recoverable)")
+        say(f"sent scan[{ticket.id}]       (not recoverable: it files tickets)")
+        say(f"sent chain add(2, 3) | add(10), first link [{pipeline.parent.id}] (@recoverable)")
+        ids = [summary.id, ticket.id, pipeline.parent.id]
+        while TaskResult.objects.filter(task_id__in=ids, status="STARTED").count() < 3:
+            time.sleep(0.05)
+        say("all three are STARTED on the worker")
+
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        killed_at = time.monotonic()
+        say("SIGKILL the worker and its pool, mid-task (as an OOM kill or a node loss would)")
+        states = dict(TaskResult.objects.filter(task_id__in=ids).values_list("task_id", "status"))
+        say(f"result rows now: {sorted(states.values())} - and nothing would ever run them again")
+
+        log.write_text(log.read_text() + "celery-orphans-demo-start\n")
+        worker = start_worker(log)
+        say(f"worker restarted under the same name {WORKER} (pid {worker.pid})")
+
+        grace = float(os.environ["CELERY_ORPHANS_GRACE_SECONDS"])
+        say(f"sweeping (as the Beat task does every few seconds); grace window {grace:g}s")
+        while True:
+            report = sweep.run(sweep.Options(trigger=Trigger.COMMAND))
+            acted = [o for o in report.outcomes if o.done]
+            if acted:
+                break
+            time.sleep(0.5)
+        for o in report.outcomes:
+            d = o.decision
+            say(f"  {o.task_name:<18} {d.action.value:<14} {d.reason.value:<16} evidence: {d.evidence.value}")
+        say(f"{report.summary()}, {time.monotonic() - killed_at:.2f}s after the kill")
+
+        say(f"summarize -> {summary.get(timeout=60)} (same id {summary.id})")
+        say(f"chain     -> {pipeline.get(timeout=60)} (the second link ran after the recovered first)")
+        say(f"both finished {time.monotonic() - killed_at:.2f}s after the kill (each task sleeps 8s)")
+        ticket_row = TaskResult.objects.get(task_id=ticket.id)
+        say(f"scan      -> {ticket_row.status}: {ticket_row.traceback}")
+        for name, task_id in (("summarize", summary.id), ("scan", ticket.id)):
+            events = [e.split(":")[0] for e in runs(task_id)]
+            say(f"executions of {name}: {events.count('start')} started, {events.count('finish')} finished")
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+        if private_redis is not None:
+            private_redis.terminate()
+            private_redis.wait()
+
+
+if __name__ == "__main__":
+    main()
