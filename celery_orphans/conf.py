@@ -131,7 +131,7 @@ class Settings:
 
     ENABLED = Setting("ENABLED", _bool, False, "Master switch for the reconcile sweep.")
     GRACE_SECONDS = Setting(
-        "GRACE_SECONDS", non_negative_float, 10.0,
+        "GRACE_SECONDS", non_negative_float, 5.0,
         "A task younger than this (from date_started) is never judged orphaned.",
     )
     MAX_ATTEMPTS = Setting(
@@ -148,7 +148,7 @@ class Settings:
     )
     GROUPS = Setting("GROUPS", _groups, {}, "Per-group switches; a group not listed is on.")
     SWEEP_INTERVAL_SECONDS = Setting(
-        "SWEEP_INTERVAL_SECONDS", positive_int, 10, "How often Beat runs the reconcile task."
+        "SWEEP_INTERVAL_SECONDS", positive_int, 5, "How often Beat runs the reconcile task."
     )
     HEARTBEAT_SECONDS = Setting(
         "HEARTBEAT_SECONDS", positive_float, 2.0, "How often each worker renews its lease."
@@ -159,6 +159,10 @@ class Settings:
     INSPECT_TIMEOUT_SECONDS = Setting(
         "INSPECT_TIMEOUT_SECONDS", positive_float, 1.0,
         "How long the sweep waits for workers to answer its one query_task broadcast.",
+    )
+    BOOT_SWEEP = Setting(
+        "BOOT_SWEEP", _bool, True,
+        "When a worker boots, recover at once what an earlier boot of its node name left running.",
     )
     KEY_PREFIX = Setting("KEY_PREFIX", _key_prefix, "celery_orphans", "Prefix of every Redis key.")
 

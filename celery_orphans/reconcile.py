@@ -31,6 +31,7 @@ class Evidence(str, enum.Enum):
     NO_REPLY_LEASE_FRESH = "no_reply_lease_fresh"
     NO_REPLY_LEASE_LAPSED = "no_reply_lease_lapsed"
     NO_REPLY_NO_LEASE = "no_reply_no_lease"
+    FOUND_AT_BOOT = "found_at_boot"  # the worker's next boot found it among its own name's tasks
     NONE = ""
 
 
@@ -49,7 +50,12 @@ class Reason(str, enum.Enum):
 
 
 ORPHAN_EVIDENCE = frozenset(
-    {Evidence.WORKER_ANSWERED_WITHOUT_TASK, Evidence.NO_REPLY_LEASE_LAPSED, Evidence.NO_REPLY_NO_LEASE}
+    {
+        Evidence.WORKER_ANSWERED_WITHOUT_TASK,
+        Evidence.NO_REPLY_LEASE_LAPSED,
+        Evidence.NO_REPLY_NO_LEASE,
+        Evidence.FOUND_AT_BOOT,
+    }
 )
 
 
@@ -79,6 +85,7 @@ class WorkerView:
     replied: bool
     held: frozenset[str] = frozenset()
     fresh_boots: frozenset[str] = frozenset()
+    at_boot: bool = False  # the view is the booting worker's own: it knows exactly what it holds
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,7 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
     if worker.replied:
         if candidate.task_id in worker.held:
             return Evidence.WORKER_HOLDS_TASK
-        return Evidence.WORKER_ANSWERED_WITHOUT_TASK
+        return Evidence.FOUND_AT_BOOT if worker.at_boot else Evidence.WORKER_ANSWERED_WITHOUT_TASK
     if candidate.boot is not None:
         if candidate.boot in worker.fresh_boots:
             return Evidence.NO_REPLY_LEASE_FRESH

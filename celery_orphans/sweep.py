@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -19,7 +20,7 @@ from celery_orphans.exceptions import CeleryOrphansError, LedgerUnavailable
 from celery_orphans.ledger import Entry, Ledger
 from celery_orphans.locks import sweep_lock
 from celery_orphans.models import Trigger
-from celery_orphans.reconcile import Action, Candidate, Decision, Policy, decide
+from celery_orphans.reconcile import Action, Candidate, Decision, Policy, WorkerView, decide
 from celery_orphans.rows import Row, rows_by_id, started_rows
 from celery_orphans.store import Keys, client
 
@@ -35,12 +36,23 @@ class SweepFailed(CeleryOrphansError):
 
 
 @dataclass(frozen=True)
+class BootScope:
+    """A worker judging its own name's tasks at boot: what it holds now is exact, no broadcast needed."""
+
+    node: str
+    boot: str
+    booted_at: datetime
+    held: Callable[[], frozenset[str]]
+
+
+@dataclass(frozen=True)
 class Options:
     trigger: Trigger
     dry_run: bool = False
     grace_seconds: float | None = None
     max_attempts: int | None = None
     user: str = ""
+    boot: BootScope | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +99,7 @@ def run(options: Options, app: Celery | None = None) -> Report:
         with sweep_lock():
             report = _sweep(app, options)
     report.duration = time.monotonic() - started
-    logger.info("celery-orphans: %s", report.summary())
+    (logger.info if report.outcomes else logger.debug)("celery-orphans: %s", report.summary())
     failure = next((o for o in report.outcomes if o.error), None)
     if failure is not None:
         raise SweepFailed(
@@ -107,11 +119,14 @@ def _sweep(app: Celery, options: Options) -> Report:
     try:
         conn = client()
         ledger = Ledger(conn, Keys.current())
-        candidates, entries = gather(app, ledger, now - grace)
-        nodes = {c.worker for c in candidates if c.worker}
-        views = liveness.observe(
-            app, nodes, [c.task_id for c in candidates], settings.INSPECT_TIMEOUT_SECONDS, conn
-        )
+        if options.boot is None:
+            candidates, entries = gather(app, ledger, now - grace)
+            nodes = {c.worker for c in candidates if c.worker}
+            views = liveness.observe(
+                app, nodes, [c.task_id for c in candidates], settings.INSPECT_TIMEOUT_SECONDS, conn
+            )
+        else:
+            candidates, entries, views = _own_tasks(app, ledger, options.boot)
     except redis.RedisError as exc:
         raise LedgerUnavailable(f"cannot reach Redis for the ledger and leases: {exc}") from exc
     decisions = [
@@ -128,6 +143,16 @@ def _sweep(app: Celery, options: Options) -> Report:
             stopped = outcome.error is not None
         report.outcomes.append(outcome)
     return report
+
+
+def _own_tasks(
+    app: Celery, ledger: Ledger, scope: BootScope
+) -> tuple[list[Candidate], dict[str, Entry], dict[str, WorkerView]]:
+    """At boot: the tasks recorded under this node name before this boot began."""
+    found, entries = gather(app, ledger, scope.booted_at)
+    candidates = [c for c in found if c.worker == scope.node]
+    view = WorkerView(replied=True, held=scope.held(), fresh_boots=frozenset({scope.boot}), at_boot=True)
+    return candidates, entries, {scope.node: view}
 
 
 def gather(app: Celery, ledger: Ledger, cutoff: datetime) -> tuple[list[Candidate], dict[str, Entry]]:

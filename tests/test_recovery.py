@@ -271,3 +271,31 @@ def test_four_concurrent_sweeps_over_twenty_orphans_recover_each_exactly_once(wo
     assert sorted(OrphanEvent.objects.filter(action="recovered").values_list("task_id", flat=True)) == sorted(ids)
     assert set(Ledger(client(), Keys.current()).attempts(ids).values()) == {1}
     assert client().llen("celery") == 20
+
+
+def test_worker_restarted_under_its_name_recovers_its_previous_boots_task_at_boot(workers):
+    from demoapp.tasks import summarize
+
+    worker = workers.start("boot@test")
+    result = summarize.delay([2, 2], seconds=3)
+    started_on(result.id, "boot@test")
+    worker.kill()
+    workers.start("boot@test", env={"CELERY_ORPHANS_BOOT_SWEEP": "true"})
+
+    assert result.get(timeout=30) == 4  # no sweep was run by the test
+    audit = OrphanEvent.objects.get(task_id=result.id)
+    assert (audit.action, audit.evidence, audit.trigger) == ("recovered", "found_at_boot", "worker_boot")
+
+
+def test_boot_sweep_leaves_tasks_alone_when_another_live_worker_shares_the_name(workers):
+    from demoapp.tasks import summarize
+
+    workers.start("twin@test", queues=("twin-a",))
+    result = summarize.apply_async(([1],), {"seconds": 6}, queue="twin-a")
+    started_on(result.id, "twin@test")
+    twin = workers.start("twin@test", queues=("twin-b",), env={"CELERY_ORPHANS_BOOT_SWEEP": "true"})
+
+    wait_for(lambda: "two workers share a name" in twin.log(), 15, "the shared-name warning")
+    assert result.get(timeout=20) == 1
+    assert starts(result.id) == 1
+    assert not OrphanEvent.objects.exists()

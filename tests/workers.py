@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Most tests exercise the regular sweep; the ones about the boot sweep switch it back on.
+BOOT_SWEEP_OFF = {"CELERY_ORPHANS_BOOT_SWEEP": "false"}
 PROJECT = ROOT / "testproject"
 
 
@@ -98,7 +100,7 @@ class WorkerPool:
         ]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                command, cwd=PROJECT, env={**self.env, **(env or {})}, stdout=log,
+                command, cwd=PROJECT, env={**self.env, **BOOT_SWEEP_OFF, **(env or {})}, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )
         worker = Worker(name=name, log_path=log_path, process=process)

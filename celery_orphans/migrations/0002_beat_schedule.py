@@ -4,7 +4,6 @@ from django.db import migrations
 
 TASK_NAME = "celery_orphans.reconcile"
 SCHEDULE_NAME = "celery-orphans: reconcile orphaned tasks"
-DEFAULT_INTERVAL_SECONDS = 10
 
 
 def _interval_seconds() -> int:
