@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The demo: a worker is killed mid-task and the task is recovered, step by step with timings.
+# Sets up the virtualenv and the services the same way as tests/run, then runs testproject/demo.py.
+set -uo pipefail
+
+source "$(dirname "${BASH_SOURCE[0]}")/../tests/setup-env.sh"
+setup_env
+cd "$ROOT"
+say "running the demo"
+exec "$VENV/bin/python" testproject/demo.py "$@"

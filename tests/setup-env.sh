@@ -1,0 +1,128 @@
+# Shared set-up for tests/run and testproject/demo.sh; source it, then call `setup_env`.
+# Run as `bash tests/setup-env.sh` it only makes sure the services answer (tox does that).
+#
+# It makes sure that:
+#   - a virtualenv exists at $VENV (default: .venv in the repository root), made with python3, holding
+#     celery-orphans installed in editable mode with its [test] extra. It is created afresh when missing
+#     or broken, and reinstalled only when pyproject.toml is newer than the stamp file in it;
+#   - PostgreSQL (127.0.0.1:5432), Redis (127.0.0.1:6379) and RabbitMQ (127.0.0.1:5672) answer, starting
+#     whichever does not and waiting (bounded) until it does;
+#   - the PostgreSQL database `test` exists.
+# Afterwards $VENV/bin is first on PATH. Every step prints one short line.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+SERVICE_WAIT_SECONDS="${SERVICE_WAIT_SECONDS:-60}"
+
+say() { printf '%s\n' "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# Print pip's output without its "Location ... is ignored" warnings about absent local indexes.
+quiet_pip_output() {
+    grep -v -E 'Location .* is ignored' "$1" >&2 || true
+    rm -f "$1"
+}
+
+setup_venv() {
+    local stamp="$VENV/.celery-orphans-installed"
+    if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import pip' >/dev/null 2>&1; then
+        if [ -f "$stamp" ] && [ ! "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+            say "venv: reusing $VENV"
+            return 0
+        fi
+    else
+        say "venv: creating $VENV with $(python3 -c 'import sys; print("Python", sys.version.split()[0])')"
+        rm -rf "$VENV"
+        python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
+    fi
+    say "venv: installing celery-orphans[test] (editable)"
+    local log
+    log="$(mktemp)"
+    if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -q -e ".[test]") >"$log" 2>&1; then
+        quiet_pip_output "$log"
+        die "pip install -e .[test] failed"
+    fi
+    quiet_pip_output "$log"
+    touch "$stamp"
+}
+
+# wait_until SECONDS CHECK...: run CHECK every half second until it succeeds or SECONDS pass.
+wait_until() {
+    local deadline=$((SECONDS + $1))
+    shift
+    until "$@" >/dev/null 2>&1; do
+        [ "$SECONDS" -ge "$deadline" ] && return 1
+        sleep 0.5
+    done
+}
+
+tcp_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
+
+postgresql_up() { pg_isready -q -h 127.0.0.1 -p 5432; }
+
+redis_up() {
+    if command -v redis-cli >/dev/null 2>&1; then
+        [ "$(redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null)" = "PONG" ]
+    else
+        tcp_open 127.0.0.1 6379
+    fi
+}
+
+rabbitmq_up() { tcp_open 127.0.0.1 5672; }
+
+start_postgresql() {
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start
+}
+
+start_redis() {
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+        --dir /var/lib/redis --logfile /var/log/redis/ci.log
+}
+
+start_rabbitmq() { rabbitmq-server -detached; }
+
+# ensure_service NAME: leave it alone if it answers, else start it and wait for it.
+ensure_service() {
+    local name="$1" started=$SECONDS
+    if "${name}_up"; then
+        say "$name: up"
+        return 0
+    fi
+    say "starting $name"
+    "start_${name}" >/dev/null 2>&1 || say "$name: start command failed; waiting in case it is coming up anyway"
+    wait_until "$SERVICE_WAIT_SECONDS" "${name}_up" \
+        || die "$name does not answer after ${SERVICE_WAIT_SECONDS}s"
+    say "$name: up after $((SECONDS - started))s"
+}
+
+ensure_test_database() {
+    local found
+    found="$(psql -h 127.0.0.1 -U postgres -d postgres -Atc "SELECT 1 FROM pg_database WHERE datname = 'test'" 2>&1)" \
+        || die "cannot query PostgreSQL: $found"
+    if [ "$found" = "1" ]; then
+        say "postgresql: database test exists"
+    else
+        say "postgresql: creating database test"
+        createdb -h 127.0.0.1 -U postgres test || die "createdb test failed"
+    fi
+}
+
+ensure_services() {
+    ensure_service postgresql
+    ensure_service redis
+    ensure_service rabbitmq
+    ensure_test_database
+}
+
+setup_env() {
+    setup_venv
+    ensure_services
+    export VIRTUAL_ENV="$VENV"
+    export PATH="$VENV/bin:$PATH"
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    set -uo pipefail
+    ensure_services
+fi
