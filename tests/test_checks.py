@@ -1,0 +1,387 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Task
+from django.core.checks import CheckMessage, Error, Info, Warning, run_checks
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.db import connections
+from django.db.utils import ConnectionHandler
+from pytest_django import Settings
+from testproject.celery import app
+
+from celery_orphans import checks, recoverable
+
+SetConf = Callable[..., None]
+MakeTask = Callable[..., "Task[Any, Any]"]
+AMQP = "amqp://guest:guest@127.0.0.1:5672//"
+PROJECT = Path(__file__).resolve().parent.parent / "testproject"
+
+
+def run() -> list[CheckMessage]:
+    return run_checks(tags=[checks.TAG])
+
+
+def ids(messages: list[CheckMessage]) -> list[str]:
+    return [m.id or "" for m in messages]
+
+
+def only(messages: list[CheckMessage], check_id: str) -> CheckMessage:
+    assert ids(messages) == [check_id], [str(m) for m in messages]
+    return messages[0]
+
+
+@pytest.fixture
+def celery_conf(monkeypatch: pytest.MonkeyPatch) -> SetConf:
+    """Change the Celery app's config for one test; monkeypatch puts every value back."""
+    # Celery's conf prefers these environment variables to its own values.
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
+    monkeypatch.delenv("CELERY_RESULT_BACKEND", raising=False)
+
+    def set_conf(**values: Any) -> None:
+        for key, value in values.items():
+            monkeypatch.setitem(app.conf, key, value)
+
+    return set_conf
+
+
+@pytest.fixture
+def make_task() -> Iterator[MakeTask]:
+    """Register throwaway tasks on the test project's app, removed again afterwards."""
+    app.finalize(auto=True)
+    names: list[str] = []
+
+    def make(*, mark: bool = True, **options: Any) -> Task[Any, Any]:
+        name = f"tests.checks.{uuid.uuid4().hex}"
+        names.append(name)
+
+        def throwaway() -> None:
+            pass
+
+        task = app.task(name=name, shared=False, **options)(throwaway)
+        return recoverable(task) if mark else task
+
+    yield make
+    for name in names:
+        app.tasks.pop(name, None)
+
+
+@pytest.fixture
+def no_redis_url(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    del settings.CELERY_ORPHANS_REDIS_URL
+    monkeypatch.delenv("CELERY_ORPHANS_REDIS_URL", raising=False)
+
+
+def test_current_app_is_the_test_projects() -> None:
+    from celery import current_app
+
+    assert current_app.conf is app.conf  # the fixtures above change the config the checks read
+
+
+@pytest.mark.parametrize("broker", ["redis://127.0.0.1:6379/0", AMQP])
+def test_recommended_configuration_is_quiet(celery_conf: SetConf, broker: str) -> None:
+    celery_conf(broker_url=broker)
+    for check in (checks.check_celery, checks.check_tasks, checks.check_settings, checks.check_database):
+        assert check() == []
+    assert run() == []
+
+
+def test_check_command_passes_on_the_recommended_configuration() -> None:
+    out = StringIO()
+    call_command("check", stdout=out, stderr=out)
+    assert "System check identified no issues" in out.getvalue()
+
+
+def test_check_command_fails_on_an_error(celery_conf: SetConf) -> None:
+    celery_conf(task_track_started=False)
+    with pytest.raises(SystemCheckError, match=r"celery_orphans\.E002"):
+        call_command("check", stdout=StringIO(), stderr=StringIO())
+
+
+def test_check_command_reports_a_warning_without_failing(celery_conf: SetConf) -> None:
+    celery_conf(worker_prefetch_multiplier=4)
+    err = StringIO()
+    call_command("check", stdout=StringIO(), stderr=err)
+    assert "celery_orphans.W003" in err.getvalue()
+    assert "worker_prefetch_multiplier" in err.getvalue()
+
+
+def test_manage_py_check_imports_the_tasks_it_checks(tmp_path: Path) -> None:
+    # A fresh process, where nothing has imported demoapp.tasks: the task checks must find it themselves.
+    (tmp_path / "long_limit_settings.py").write_text(
+        "from testproject.test_settings import *  # noqa: F403\nCELERY_TASK_TIME_LIMIT = 7200\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "long_limit_settings", "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check", "--tag", checks.TAG],
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr  # warnings only
+    assert "demoapp.summarize: (celery_orphans.W001)" in result.stderr
+    assert "demoapp.scan" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("backend", "problem"),
+    [
+        ("redis://127.0.0.1:6379/1", "is not django-celery-results' database backend"),
+        ("django-cache", "is not django-celery-results' database backend"),
+        (None, "is not django-celery-results' database backend"),
+        ("no_such_module.backends:Backend", "cannot be loaded"),
+    ],
+)
+def test_e001_result_backend_must_be_django_db(
+    celery_conf: SetConf, backend: str | None, problem: str
+) -> None:
+    celery_conf(result_backend=backend)
+    message = only(run(), "celery_orphans.E001")
+    assert isinstance(message, Error)
+    assert problem in message.msg
+    assert message.hint is not None
+    assert 'result_backend = "django-db"' in message.hint
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "django_celery_results.backends:DatabaseBackend",
+        "django_celery_results.backends.database.DatabaseBackend",
+        "tests.test_checks:SubclassedDatabaseBackend",
+    ],
+)
+def test_e001_accepts_the_database_backend_by_path(celery_conf: SetConf, backend: str) -> None:
+    celery_conf(result_backend=backend)
+    assert run() == []
+
+
+def _subclassed_database_backend() -> type:
+    from django_celery_results.backends import DatabaseBackend
+
+    return type("SubclassedDatabaseBackend", (DatabaseBackend,), {})
+
+
+SubclassedDatabaseBackend = _subclassed_database_backend()
+
+
+@pytest.mark.parametrize(("key", "check_id"), [("task_track_started", "E002"), ("result_extended", "E003")])
+def test_e002_e003_required_celery_switches(celery_conf: SetConf, key: str, check_id: str) -> None:
+    celery_conf(**{key: False})
+    message = only(run(), f"celery_orphans.{check_id}")
+    assert isinstance(message, Error)
+    assert f"{key} is False" in message.msg
+    assert message.hint is not None
+    assert f"Set {key} = True" in message.hint
+    assert f"CELERY_{key.upper()}" in message.hint
+
+
+def test_e004_recoverable_task_without_acks_late(make_task: MakeTask) -> None:
+    task = make_task(acks_late=False)  # the app default is True, so @recoverable keeps the author's choice
+    assert task.acks_late is False
+    message = only(run(), "celery_orphans.E004")
+    assert isinstance(message, Error)
+    assert message.obj == task.name
+    assert repr(task.name) in message.msg
+
+
+def test_e005_recoverable_task_that_ignores_its_result(make_task: MakeTask) -> None:
+    task = make_task(ignore_result=True)
+    message = only(run(), "celery_orphans.E005")
+    assert message.obj == task.name
+    assert "ignore_result=True" in message.msg
+
+
+def test_task_checks_ignore_tasks_that_are_not_recoverable(make_task: MakeTask) -> None:
+    make_task(mark=False, acks_late=False, ignore_result=True, time_limit=7200)
+    assert run() == []
+
+
+@pytest.mark.parametrize("time_limit", [3600, 7200])
+def test_w001_time_limit_reaching_the_visibility_timeout(make_task: MakeTask, time_limit: int) -> None:
+    task = make_task(time_limit=time_limit)
+    message = only(run(), "celery_orphans.W001")
+    assert isinstance(message, Warning)
+    assert message.obj == task.name
+    assert f"{time_limit}s" in message.msg
+    assert "3600s" in message.msg
+
+
+def test_w001_uses_task_time_limit_from_the_config(celery_conf: SetConf, make_task: MakeTask) -> None:
+    task = make_task()
+    celery_conf(task_time_limit=4000)
+    warned = [m.obj for m in run() if m.id == "celery_orphans.W001"]
+    assert task.name in warned
+    assert "demoapp.summarize" in warned
+    assert "demoapp.scan" not in warned
+
+
+@pytest.mark.parametrize(
+    ("broker", "transport_options"),
+    [
+        ("redis://127.0.0.1:6379/0", {"visibility_timeout": 7201}),  # raised above the limit
+        (AMQP, {}),  # RabbitMQ re-delivers on a lost connection, not after a timeout
+    ],
+)
+def test_w001_quiet_when_the_limit_is_below_the_timeout_or_the_broker_is_not_redis(
+    celery_conf: SetConf, make_task: MakeTask, broker: str, transport_options: dict[str, int]
+) -> None:
+    celery_conf(broker_url=broker, broker_transport_options=transport_options)
+    make_task(time_limit=7200)
+    assert run() == []
+
+
+def test_e006_redis_url_missing_without_a_redis_broker(celery_conf: SetConf, no_redis_url: None) -> None:
+    celery_conf(broker_url=AMQP)
+    message = only(run(), "celery_orphans.E006")
+    assert "CELERY_ORPHANS_REDIS_URL is not set" in message.msg
+    assert message.hint is not None
+    assert "CELERY_ORPHANS_REDIS_URL" in message.hint
+
+
+def test_e006_quiet_when_the_broker_is_redis(celery_conf: SetConf, no_redis_url: None) -> None:
+    celery_conf(broker_url="rediss://127.0.0.1:6379/0")
+    assert run() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("MAX_ATTEMPTS", 0, "at least 1"),
+        ("ENABLED", "maybe", "a boolean"),
+        ("GRACE_SECONDS", -1, "at least 0"),
+        ("GROUPS", ["summaries"], "a mapping"),
+        ("KEY_PREFIX", "has space", "without spaces"),
+        ("REDIS_URL", 6379, "a string"),
+    ],
+)
+def test_e007_bad_setting(settings: Settings, name: str, value: object, expected: str) -> None:
+    setattr(settings, f"CELERY_ORPHANS_{name}", value)
+    message = only(run(), "celery_orphans.E007")
+    assert isinstance(message, Error)
+    assert f"CELERY_ORPHANS_{name}" in message.msg
+    assert repr(value) in message.msg
+    assert expected in message.msg
+    assert message.hint is not None
+    assert f"CELERY_ORPHANS_{name}" in message.hint
+
+
+def test_e007_bad_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CELERY_ORPHANS_GROUPS", "{not json")
+    message = only(run(), "celery_orphans.E007")
+    assert "CELERY_ORPHANS_GROUPS" in message.msg
+    assert "'{not json'" in message.msg
+
+
+def test_e007_one_error_per_bad_setting_and_no_crash_in_checks_that_read_them(
+    settings: Settings,
+) -> None:
+    settings.CELERY_ORPHANS_LEASE_SECONDS = "long"
+    settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = 0
+    settings.CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS = "a day"
+    messages = run()
+    assert ids(messages) == ["celery_orphans.E007"] * 3
+    assert {m.msg.split(" ")[0] for m in messages} == {
+        "CELERY_ORPHANS_LEASE_SECONDS",
+        "CELERY_ORPHANS_HEARTBEAT_SECONDS",
+        "CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS",
+    }
+
+
+@pytest.mark.parametrize(("lease", "heartbeat"), [(5.9, 2), (10, 4)])
+def test_e008_lease_shorter_than_three_heartbeats(settings: Settings, lease: float, heartbeat: float) -> None:
+    settings.CELERY_ORPHANS_LEASE_SECONDS = lease
+    settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = heartbeat
+    message = only(run(), "celery_orphans.E008")
+    assert message.hint is not None
+    assert f"at least {3 * heartbeat:g}" in message.hint
+
+
+def test_e008_quiet_at_exactly_three_heartbeats(settings: Settings) -> None:
+    settings.CELERY_ORPHANS_LEASE_SECONDS = 6
+    settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = 2
+    assert run() == []
+
+
+def test_w002_attempts_window_shorter_than_the_visibility_timeout(
+    settings: Settings, celery_conf: SetConf
+) -> None:
+    celery_conf(broker_transport_options={"visibility_timeout": 7200})
+    settings.CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS = 7199
+    message = only(run(), "celery_orphans.W002")
+    assert isinstance(message, Warning)
+    assert message.hint is not None
+    assert "at least 7200" in message.hint
+
+
+def test_w002_uses_the_default_visibility_timeout_of_redis(settings: Settings, celery_conf: SetConf) -> None:
+    celery_conf(broker_transport_options={})
+    settings.CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS = 3599
+    assert ids(run()) == ["celery_orphans.W002"]
+    settings.CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS = 3600
+    assert run() == []
+
+
+def test_w002_quiet_without_a_redis_broker(settings: Settings, celery_conf: SetConf) -> None:
+    celery_conf(broker_url=AMQP)
+    settings.CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS = 60
+    assert run() == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("task_reject_on_worker_lost", False),
+        ("task_reject_on_worker_lost", None),
+        ("worker_prefetch_multiplier", 4),
+        ("worker_prefetch_multiplier", 0),
+        ("worker_deduplicate_successful_tasks", False),
+        ("worker_soft_shutdown_timeout", 0.0),
+    ],
+)
+def test_w003_recommended_setting_missing(celery_conf: SetConf, key: str, value: object) -> None:
+    celery_conf(**{key: value})
+    message = only(run(), "celery_orphans.W003")
+    assert isinstance(message, Warning)
+    assert f"{key} is {value!r}: " in message.msg
+    assert message.hint is not None
+    assert f"CELERY_{key.upper()}" in message.hint
+
+
+def test_w003_one_warning_per_missing_setting(celery_conf: SetConf) -> None:
+    celery_conf(worker_prefetch_multiplier=4, worker_soft_shutdown_timeout=0.0)
+    messages = run()
+    assert ids(messages) == ["celery_orphans.W003"] * 2
+    soft_shutdown = next(m for m in messages if "worker_soft_shutdown_timeout" in m.msg)
+    assert soft_shutdown.hint is not None
+    assert "SIGQUIT" in soft_shutdown.hint
+    assert "REMAP_SIGTERM=SIGQUIT" in soft_shutdown.hint
+
+
+@pytest.fixture
+def sqlite_default() -> Iterator[None]:
+    """A real SQLite connection in place of the default one (never opened: the check reads the vendor)."""
+    postgresql = connections["default"]
+    connections["default"] = ConnectionHandler(
+        {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    )["default"]
+    yield
+    connections["default"] = postgresql
+
+
+def test_i001_default_database_is_not_postgresql(sqlite_default: None) -> None:
+    message = only(run(), "celery_orphans.I001")
+    assert isinstance(message, Info)
+    assert "The default database is sqlite" in message.msg

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from celery import Celery, shared_task
+from testproject.celery import app as project_app
+
+from celery_orphans import recoverable
+from celery_orphans.registry import (
+    POLICY_ATTR,
+    RecoveryPolicy,
+    is_registered,
+    policy_for,
+    policy_of,
+    recoverable_tasks,
+)
+
+DEMO_POLICIES = {
+    "demoapp.summarize": RecoveryPolicy(group="summaries"),
+    "demoapp.add": RecoveryPolicy(),
+    "demoapp.echo": RecoveryPolicy(),
+    "demoapp.collect": RecoveryPolicy(),
+    "demoapp.poison": RecoveryPolicy(max_attempts=2),
+}
+
+
+def noop() -> Callable[[], None]:
+    """A new function each time: @recoverable marks the function too, so tasks must not share one."""
+
+    def run() -> None:
+        pass
+
+    return run
+
+
+def bound_noop() -> Callable[[object], None]:
+    def run(self: object) -> None:
+        pass
+
+    return run
+
+
+def unique() -> str:
+    return f"tests.registry.{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def fresh_app() -> Celery:
+    return Celery("t", set_as_current=False, fixups=[])
+
+
+@pytest.fixture
+def project_names() -> Iterator[list[str]]:
+    project_app.finalize(auto=True)
+    names: list[str] = []
+    yield names
+    for name in names:
+        project_app.tasks.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def demo_tasks() -> None:
+    import demoapp.tasks  # noqa: F401  (registers the demo tasks on the test project's app)
+
+
+def test_policies_of_the_demo_tasks() -> None:
+    for name, policy in DEMO_POLICIES.items():
+        assert policy_for(name) == policy
+    assert policy_for("demoapp.scan") is None  # not idempotent, never marked
+
+
+def test_unknown_task_has_no_policy_and_is_not_registered() -> None:
+    name = unique()
+    assert policy_for(name) is None
+    assert not is_registered(name)
+    assert is_registered("demoapp.scan")
+
+
+def test_recoverable_tasks_lists_only_marked_tasks() -> None:
+    found = recoverable_tasks()
+    assert DEMO_POLICIES.items() <= found.items()
+    assert all(policy_for(name) == policy for name, policy in found.items())
+    assert "demoapp.scan" not in found
+    assert not any(name.startswith("celery.") for name in found)
+
+
+def test_lookups_use_the_app_they_are_given(fresh_app: Celery) -> None:
+    name = unique()
+    recoverable(group="own")(fresh_app.task(name=name, shared=False)(noop()))
+    assert recoverable_tasks(fresh_app)[name] == RecoveryPolicy(group="own")
+    assert name not in recoverable_tasks()
+    assert policy_for(name, fresh_app) == RecoveryPolicy(group="own")
+    assert is_registered(name, fresh_app)
+    assert policy_for(name) is None
+    assert not is_registered(name)
+
+
+@pytest.mark.parametrize("bind", [False, True])
+def test_shared_task_copied_onto_another_app_keeps_its_policy(
+    project_names: list[str], fresh_app: Celery, bind: bool
+) -> None:
+    name = unique()
+    project_names.append(name)
+    recoverable(max_attempts=4)(shared_task(name=name, bind=bind)(bound_noop() if bind else noop()))
+    copy = fresh_app.tasks[name]
+    assert copy is not project_app.tasks[name]
+    assert policy_of(copy) == RecoveryPolicy(max_attempts=4)
+    assert recoverable_tasks(fresh_app)[name] == RecoveryPolicy(max_attempts=4)
+
+
+def test_policy_of_ignores_anything_but_a_recovery_policy(fresh_app: Celery) -> None:
+    task = fresh_app.task(name=unique(), shared=False)(noop())
+    fresh_app.finalize()
+    setattr(task, POLICY_ATTR, {"group": "forged"})
+    assert policy_of(task) is None
+    assert policy_of(noop()) is None
+    assert policy_of(None) is None
