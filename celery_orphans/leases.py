@@ -108,6 +108,54 @@ def fresh_boots(nodes: Iterable[str], conn: redis.Redis | None = None) -> dict[s
     return {node: frozenset(b for b in boots[node] if (node, b) in alive) for node in nodes}
 
 
+def renewals(node: str, boots: Iterable[str], conn: redis.Redis | None = None) -> dict[str, bytes | None]:
+    """The current lease value of each boot (it changes on every renewal); ``None`` once lapsed."""
+    conn = conn or client()
+    keys = Keys.current()
+    boots = sorted(boots)
+    values = conn.mget([keys.lease(node, boot) for boot in boots]) if boots else []
+    return dict(zip(boots, values))
+
+
+def renewed_within(node: str, boots: Iterable[str], seconds: float) -> frozenset[str]:
+    """The boots whose lease is renewed within ``seconds``: proof that their process is alive.
+
+    A boot whose lease neither lapses nor changes stays out; a lease is renewed every heartbeat, so
+    watching for two heartbeats tells a live process from one that was killed a moment ago.
+    """
+    first = renewals(node, boots)
+    watching = {boot for boot, value in first.items() if value is not None and not _provably_gone(value)}
+    deadline = time.monotonic() + seconds
+    renewed: set[str] = set()
+    while watching and time.monotonic() < deadline:
+        time.sleep(min(0.1, seconds))
+        for boot, value in renewals(node, watching).items():
+            if value is None:
+                watching.discard(boot)
+            elif value != first[boot]:
+                renewed.add(boot)
+                watching.discard(boot)
+    return frozenset(renewed)
+
+
+def _provably_gone(value: bytes) -> bool:
+    """A lease written on this host by a process id that no longer exists is a dead boot's."""
+    try:
+        lease = json.loads(value)
+        host, pid = lease["host"], int(lease["pid"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 _current: Heartbeat | None = None
 
 

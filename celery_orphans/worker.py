@@ -58,6 +58,8 @@ def boot_sweep(app: Any, beat: leases.Heartbeat, booted_at: datetime) -> None:
     from celery_orphans.models import Trigger
 
     others = leases.fresh_boots([beat.node]).get(beat.node, frozenset()) - {beat.boot}
+    # A boot killed a moment ago still has a lease; a live twin renews its lease within a heartbeat.
+    others = leases.renewed_within(beat.node, others, 2 * settings.HEARTBEAT_SECONDS + 0.5)
     if others:
         logger.warning(
             "celery-orphans: another live worker holds the name %s (boots %s); two workers share a name, "
