@@ -81,6 +81,23 @@ class Executor:
         )
         return dataclasses.replace(outcome, decision=decision, done=True)
 
+    def shadow(self, outcome: Outcome) -> Outcome:
+        """Shadow mode: audit what would be done (once per task), change nothing else."""
+        decision = outcome.decision
+        logger.info(
+            "celery-orphans: shadow mode: would have %s %s[%s] from worker %s: %s (%s)",
+            _PAST[decision.action], outcome.task_name, decision.task_id, outcome.worker or "?",
+            decision.reason.value, decision.evidence.value,
+        )
+        try:
+            audit.record_once(
+                decision, task_name=outcome.task_name, worker=outcome.worker,
+                trigger=self.options.trigger, user=self.options.user, shadow=True,
+            )
+        except DatabaseError as exc:
+            return dataclasses.replace(outcome, error=f"{type(exc).__name__}: {exc}")
+        return dataclasses.replace(outcome, done=True)
+
     def _claim(self, task_id: str, candidate: Candidate, entry: Entry | None, mode: str) -> int:
         claimed = self.ledger.claim(
             task_id,

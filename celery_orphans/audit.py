@@ -11,16 +11,21 @@ _AUDITED = {
     Action.MARK_TERMINAL: AuditAction.MARKED_TERMINAL,
     Action.FORGET: AuditAction.FORGOTTEN,
 }
+_SHADOWED = {
+    Action.RECOVER: AuditAction.WOULD_RECOVER,
+    Action.MARK_TERMINAL: AuditAction.WOULD_MARK_TERMINAL,
+    Action.FORGET: AuditAction.WOULD_FORGET,
+}
 
 
 def record(
-    decision: Decision, *, task_name: str, worker: str, trigger: Trigger, user: str = ""
+    decision: Decision, *, task_name: str, worker: str, trigger: Trigger, user: str = "", shadow: bool = False
 ) -> OrphanEvent:
     return OrphanEvent.objects.create(
         task_id=decision.task_id,
         task_name=task_name[:255],
         worker=worker[:255],
-        action=_AUDITED[decision.action],
+        action=(_SHADOWED if shadow else _AUDITED)[decision.action],
         reason=decision.reason.value,
         evidence=decision.evidence.value,
         detail=decision.detail,
@@ -28,3 +33,13 @@ def record(
         trigger=trigger,
         triggered_by=user[:150],
     )
+
+
+def record_once(
+    decision: Decision, *, task_name: str, worker: str, trigger: Trigger, user: str = "", shadow: bool = False
+) -> OrphanEvent | None:
+    """Like ``record``, unless the same action was already recorded for the task (shadow mode repeats)."""
+    action = (_SHADOWED if shadow else _AUDITED)[decision.action]
+    if OrphanEvent.objects.filter(task_id=decision.task_id, action=action).exists():
+        return None
+    return record(decision, task_name=task_name, worker=worker, trigger=trigger, user=user, shadow=shadow)

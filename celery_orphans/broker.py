@@ -9,13 +9,9 @@ from typing import Any
 from celery import Celery
 
 from celery_orphans.ledger import HEADER, Delivery
+from celery_orphans.reconcile import SAFE_CONTENT_TYPES
 
 logger = logging.getLogger(__name__)
-
-# Content types whose bodies are data, never code. A pickled message is never sent again.
-SAFE_CONTENT_TYPES = frozenset(
-    {"application/json", "application/x-msgpack", "application/x-yaml", "application/data"}
-)
 
 
 def publish(app: Celery, delivery: Delivery, recovery: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ pytest-django's ``settings`` fixture take effect at once, and nothing is ever wr
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ def _number(name: str, value: object, *, minimum: float, integer: bool) -> Any:
         number = int(value) if integer else float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise _invalid(name, value, "an integer" if integer else "a number") from None
+    if not math.isfinite(number):
+        raise _invalid(name, value, "a finite number")
     if integer and isinstance(value, float) and not value.is_integer():
         raise _invalid(name, value, "an integer")
     if number < minimum:
@@ -67,6 +70,12 @@ def positive_float(name: str, value: object) -> float:
     if number == 0:
         raise _invalid(name, value, "greater than 0")
     return number
+
+
+def _optional_positive_int(name: str, value: object) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in {"", "none"}):
+        return None
+    return positive_int(name, value)
 
 
 def _optional_str(name: str, value: object) -> str | None:
@@ -164,6 +173,18 @@ class Settings:
         "BOOT_SWEEP", _bool, True,
         "When a worker boots, recover at once what an earlier boot of its node name left running.",
     )
+    SHADOW_MODE = Setting(
+        "SHADOW_MODE", _bool, False,
+        "Decide and audit what would be done, without doing it: watch before switching recovery on.",
+    )
+    MAX_ORPHAN_AGE_SECONDS = Setting(
+        "MAX_ORPHAN_AGE_SECONDS", _optional_positive_int, 86_400,
+        "An orphan that started longer ago than this is marked terminal, never resurrected; None for no limit.",
+    )
+    MAX_RECOVERIES_PER_SWEEP = Setting(
+        "MAX_RECOVERIES_PER_SWEEP", _optional_positive_int, 100,
+        "Recover at most this many per sweep, oldest first; the rest wait for the next sweep. None: no limit.",
+    )
     KEY_PREFIX = Setting("KEY_PREFIX", _key_prefix, "celery_orphans", "Prefix of every Redis key.")
 
     def all(self) -> tuple[Setting[Any], ...]:
@@ -189,7 +210,8 @@ def _celery_broker_url() -> str | None:
     url = current_app.conf.broker_url
     if isinstance(url, (list, tuple)):
         url = url[0] if url else None
-    return str(url) if url else None
+    # kombu accepts a failover list "redis://a;redis://b": the first is the primary.
+    return str(url).split(";", 1)[0].strip() if url else None
 
 
 settings = Settings()

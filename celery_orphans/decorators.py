@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from celery import Task
+from celery import _state
 from celery.local import PromiseProxy, Proxy
 from celery.utils.imports import symbol_by_name
 
@@ -49,27 +50,40 @@ def recoverable(
 def _mark(task: Any, policy: RecoveryPolicy) -> Any:
     if isinstance(task, PromiseProxy) and not task.__evaluated__():
         # ``@app.task`` before the app is finalized: mark the task when it comes into being.
-        task.__then__(lambda: _apply(task._get_current_object(), policy))
+        task.__then__(lambda: _apply(_resolve(task), policy))
         return task
+    target = _resolve(task)
+    _apply(target, policy)
     if isinstance(task, Proxy):
-        _apply(task._get_current_object(), policy)
-        return task
-    if not isinstance(task, Task):
+        # ``@shared_task`` gives every app its own copy of the task: mark each one as it appears.
+        name = target.name
+        for app in _state._get_active_apps():
+            if app.finalized:
+                _apply_by_name(app, name, policy)
+        _state.connect_on_app_finalize(lambda app: _apply_by_name(app, name, policy))
+    return task
+
+
+def _resolve(task: Any) -> Task:
+    target = task._get_current_object() if isinstance(task, Proxy) else task
+    if not isinstance(target, Task):
         raise TypeError(
             f"@recoverable must decorate a Celery task (put it above @shared_task or @app.task), "
             f"got {task!r}."
         )
-    _apply(task, policy)
-    return task
+    return target
+
+
+def _apply_by_name(app: Any, name: str, policy: RecoveryPolicy) -> None:
+    task = app._tasks.get(name)
+    if task is not None:
+        _apply(task, policy)
 
 
 def _apply(task: Task, policy: RecoveryPolicy) -> None:
     from celery_orphans.request import recoverable_request_class
 
     setattr(task, POLICY_ATTR, policy)
-    wrapped = getattr(task, "__wrapped__", None)
-    if wrapped is not None:
-        setattr(getattr(wrapped, "__func__", wrapped), POLICY_ATTR, policy)
     app_default = bool(task.app.conf.task_acks_late)
     if task.acks_late is None or bool(task.acks_late) == app_default:
         task.acks_late = True

@@ -9,12 +9,16 @@ class Action(models.TextChoices):
     RECOVERED = "recovered", "Recovered"
     MARKED_TERMINAL = "marked_terminal", "Marked terminal"
     FORGOTTEN = "forgotten", "Forgotten (already finished)"
+    WOULD_RECOVER = "would_recover", "Would recover (shadow mode)"
+    WOULD_MARK_TERMINAL = "would_mark_terminal", "Would mark terminal (shadow mode)"
+    WOULD_FORGET = "would_forget", "Would forget (shadow mode)"
 
 
 class Trigger(models.TextChoices):
     BEAT = "beat", "Beat schedule"
     COMMAND = "command", "Management command"
     WORKER_BOOT = "worker_boot", "Worker boot"
+    WORKER = "worker", "Worker (pool process lost)"
     ADMIN = "admin", "Admin action"
     API = "api", "HTTP endpoint"
 

@@ -41,6 +41,9 @@ class Reason(str, enum.Enum):
     GROUP_DISABLED = "group_disabled"
     NO_LEDGER_ENTRY = "no_ledger_entry"
     LIMIT_REACHED = "limit_reached"
+    TOO_OLD = "too_old"
+    UNSAFE_MESSAGE = "unsafe_message"
+    DEFERRED = "deferred"  # over the per-sweep recovery limit; next sweep
     ALREADY_FINISHED = "already_finished"
     ALIVE = "alive"
     IN_GRACE = "in_grace"
@@ -75,6 +78,7 @@ class Candidate:
     recoverable: bool = False
     group: str | None = None
     max_attempts: int | None = None  # the task's own cap, if it set one
+    content_type: str | None = None  # of the ledger entry's message
     problem: str | None = None  # why a record could not be read
 
 
@@ -88,12 +92,19 @@ class WorkerView:
     at_boot: bool = False  # the view is the booting worker's own: it knows exactly what it holds
 
 
+# Content types whose bodies are data, never code. A pickled message is never sent again.
+SAFE_CONTENT_TYPES = frozenset(
+    {"application/json", "application/x-msgpack", "application/x-yaml", "application/data"}
+)
+
+
 @dataclass(frozen=True)
 class Policy:
     now: datetime
     grace: timedelta
     max_attempts: int
     groups: Mapping[str, bool]
+    max_age: timedelta | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,10 @@ def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision
         return terminal(Reason.GROUP_DISABLED, f"recovery of group {c.group!r} is switched off")
     if not c.has_entry:
         return terminal(Reason.NO_LEDGER_ENTRY, "no ledger entry holds the message to send again")
+    if c.content_type not in SAFE_CONTENT_TYPES:
+        return terminal(Reason.UNSAFE_MESSAGE, f"a {c.content_type or 'untyped'} message is never sent again")
+    if policy.max_age is not None and c.started_at is not None and c.started_at < policy.now - policy.max_age:
+        return terminal(Reason.TOO_OLD, f"orphaned longer than {policy.max_age}; not resurrected")
     cap = c.max_attempts or policy.max_attempts
     if c.attempts >= cap:
         return terminal(Reason.LIMIT_REACHED, f"already recovered {c.attempts} of {cap} times")
@@ -169,3 +184,20 @@ def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision
         c.task_id, Action.RECOVER, Reason.RECOVERABLE, evidence,
         f"recovery {c.attempts + 1} of {cap}", c.attempts + 1,
     )
+
+
+def defer_excess(decisions: list[Decision], limit: int | None) -> list[Decision]:
+    """Keep the first ``limit`` recoveries (callers order oldest first); defer the rest to a later sweep."""
+    if limit is None:
+        return decisions
+    kept = 0
+    result = []
+    for d in decisions:
+        if d.action is Action.RECOVER:
+            if kept >= limit:
+                d = Decision(d.task_id, Action.LEAVE, Reason.DEFERRED, d.evidence,
+                             f"over the limit of {limit} recoveries per sweep")
+            else:
+                kept += 1
+        result.append(d)
+    return result

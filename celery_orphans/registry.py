@@ -21,10 +21,22 @@ class RecoveryPolicy:
 def policy_of(task: Any) -> RecoveryPolicy | None:
     """The policy marked on a task object, or ``None`` if it is not recoverable."""
     policy = getattr(task, POLICY_ATTR, None)
-    if policy is None:
-        # A shared task registered on a second app is a separate object built from the same function.
-        policy = getattr(getattr(task, "__wrapped__", None), POLICY_ATTR, None)
     return policy if isinstance(policy, RecoveryPolicy) else None
+
+
+_loaded: set[int] = set()
+
+
+def load_tasks(app: Celery | None = None) -> None:
+    """Import the task modules of every installed app once per process, as a worker does at boot.
+
+    A web process (the management command, the admin) has not imported them, and a task it has not
+    imported would look unknown.
+    """
+    app = app or current_app
+    if id(app) not in _loaded:
+        app.autodiscover_tasks(force=True)
+        _loaded.add(id(app))
 
 
 def policy_for(name: str, app: Celery | None = None) -> RecoveryPolicy | None:

@@ -20,7 +20,15 @@ from celery_orphans.exceptions import CeleryOrphansError, LedgerUnavailable
 from celery_orphans.ledger import Entry, Ledger
 from celery_orphans.locks import sweep_lock
 from celery_orphans.models import Trigger
-from celery_orphans.reconcile import Action, Candidate, Decision, Policy, WorkerView, decide
+from celery_orphans.reconcile import (
+    Action,
+    Candidate,
+    Decision,
+    Policy,
+    WorkerView,
+    decide,
+    defer_excess,
+)
 from celery_orphans.rows import Row, rows_by_id, started_rows
 from celery_orphans.store import Keys, client
 
@@ -53,6 +61,7 @@ class Options:
     max_attempts: int | None = None
     user: str = ""
     boot: BootScope | None = None
+    shadow: bool | None = None  # None: CELERY_ORPHANS_SHADOW_MODE
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class Report:
     outcomes: list[Outcome] = field(default_factory=list)
     duration: float = 0.0
     dry_run: bool = False
+    shadow: bool = False
 
     def count(self, action: Action, *, done_only: bool = False) -> int:
         return sum(
@@ -80,7 +90,7 @@ class Report:
     def summary(self) -> str:
         counts = Counter(o.decision.action for o in self.outcomes if o.done or self.dry_run)
         alive = self.count(Action.LEAVE)
-        verb = "would have " if self.dry_run else ""
+        verb = "would have " if self.dry_run or self.shadow else ""
         return (
             f"{verb}recovered {counts[Action.RECOVER]} orphaned tasks, {verb}marked "
             f"{counts[Action.MARK_TERMINAL]} terminal, {verb}forgotten {counts[Action.FORGET]} finished, "
@@ -109,12 +119,18 @@ def run(options: Options, app: Celery | None = None) -> Report:
 
 
 def _sweep(app: Celery, options: Options) -> Report:
+    registry.load_tasks(app)
     now = timezone.now()
     grace = timedelta(
         seconds=settings.GRACE_SECONDS if options.grace_seconds is None else options.grace_seconds
     )
+    max_age = settings.MAX_ORPHAN_AGE_SECONDS
     policy = Policy(
-        now=now, grace=grace, max_attempts=options.max_attempts or settings.MAX_ATTEMPTS, groups=settings.GROUPS
+        now=now,
+        grace=grace,
+        max_attempts=options.max_attempts or settings.MAX_ATTEMPTS,
+        groups=settings.GROUPS,
+        max_age=None if max_age is None else timedelta(seconds=max_age),
     )
     try:
         conn = client()
@@ -129,17 +145,22 @@ def _sweep(app: Celery, options: Options) -> Report:
             candidates, entries, views = _own_tasks(app, ledger, options.boot)
     except redis.RedisError as exc:
         raise LedgerUnavailable(f"cannot reach Redis for the ledger and leases: {exc}") from exc
-    decisions = [
-        (c, decide(c, views.get(c.worker) if c.worker else None, policy))
-        for c in sorted(candidates, key=lambda c: (c.started_at or now, c.task_id))
-    ]
-    report = Report(dry_run=options.dry_run)
+    candidates.sort(key=lambda c: (c.started_at or now, c.task_id))
+    decisions = defer_excess(
+        [decide(c, views.get(c.worker) if c.worker else None, policy) for c in candidates],
+        settings.MAX_RECOVERIES_PER_SWEEP,
+    )
+    shadow = options.shadow if options.shadow is not None else settings.SHADOW_MODE
+    report = Report(dry_run=options.dry_run, shadow=shadow)
     executor = actions.Executor(app, ledger, options, now)
     stopped = False
-    for candidate, decision in decisions:
+    for candidate, decision in zip(candidates, decisions):
         outcome = Outcome(decision, candidate.task_name or "", candidate.worker or "")
         if not options.dry_run and not stopped and decision.action in actions.ACTS:
-            outcome = executor.carry_out(outcome, candidate, entries.get(candidate.task_id))
+            if shadow:
+                outcome = executor.shadow(outcome)
+            else:
+                outcome = executor.carry_out(outcome, candidate, entries.get(candidate.task_id))
             stopped = outcome.error is not None
         report.outcomes.append(outcome)
     return report
@@ -198,6 +219,7 @@ def candidate(
         recoverable=policy is not None,
         group=policy.group if policy else None,
         max_attempts=policy.max_attempts if policy else None,
+        content_type=entry.delivery.content_type if entry else None,
         problem=problem,
     )
 

@@ -76,7 +76,8 @@ def test_django_settings_with_the_celery_namespace_accept_it() -> None:
     [
         ({"visibility_timeout": 0}, "visibility_timeout must be positive, got 0"),
         ({"visibility_timeout": -60}, "visibility_timeout must be positive, got -60"),
-        ({"soft_shutdown_timeout": -1.0}, "soft_shutdown_timeout must not be negative, got -1.0"),
+        ({"soft_shutdown_timeout": -1.0}, r"soft_shutdown_timeout must be positive .*, got -1.0"),
+        ({"soft_shutdown_timeout": 0}, r"soft_shutdown_timeout must be positive .*, got 0"),
     ],
 )
 def test_bad_arguments_are_a_value_error(kwargs: dict[str, Any], message: str) -> None:

@@ -1,0 +1,67 @@
+"""Orphans made without a worker: a STARTED row and a ledger entry for a node that never answers.
+
+Rows and messages are built the way Celery builds them (``app.amqp.as_task_v2``), so a recovery of one
+publishes a message a real worker can run.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from celery import current_app
+from django.utils import timezone
+from django_celery_results.models import TaskResult
+from kombu.serialization import dumps
+
+from celery_orphans.ledger import Delivery, Entry, Ledger
+from celery_orphans.store import Keys, client
+
+GHOST = "ghost@test"
+
+
+def delivery(name: str, task_id: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+             *, content_type: str = "application/json", queue: str = "celery") -> Delivery:
+    message = current_app.amqp.as_task_v2(task_id, name, args, kwargs or {})
+    serializer = {"application/json": "json", "application/x-python-serialize": "pickle"}[content_type]
+    ctype, encoding, body = dumps(message.body, serializer=serializer)
+    return Delivery(
+        body=body if isinstance(body, str) else body.decode("latin-1"),
+        body_encoding="utf-8",
+        content_type=ctype,
+        content_encoding=encoding,
+        headers=dict(message.headers),
+        properties={"correlation_id": task_id, "priority": 0, "delivery_mode": 2},
+        exchange="",
+        routing_key=queue,
+        delivery_tag=None,
+    )
+
+
+def orphan(
+    name: str = "demoapp.summarize",
+    args: tuple[Any, ...] = ([1, 2],),
+    *,
+    started_ago: float = 60,
+    row: bool = True,
+    entry: bool = True,
+    worker: str = GHOST,
+    content_type: str = "application/json",
+    task_id: str | None = None,
+) -> str:
+    """A task that a dead worker ``worker`` was running ``started_ago`` seconds ago."""
+    task_id = task_id or str(uuid.uuid4())
+    started = timezone.now() - timedelta(seconds=started_ago)
+    if row:
+        TaskResult.objects.create(
+            task_id=task_id, task_name=name, status="STARTED", worker=worker,
+            date_started=started, result='{"pid": 1, "hostname": "%s"}' % worker,
+        )
+    if entry:
+        Ledger(client(), Keys.current()).admit(
+            Entry(task_id=task_id, task_name=name, node=worker, boot="dead-boot",
+                  recorded_at=started.timestamp(), delivery=delivery(name, task_id, args, content_type=content_type),
+                  token=uuid.uuid4().hex)
+        )
+    return task_id
