@@ -32,6 +32,7 @@ class Evidence(str, enum.Enum):
     NO_REPLY_LEASE_LAPSED = "no_reply_lease_lapsed"
     NO_REPLY_NO_LEASE = "no_reply_no_lease"
     FOUND_AT_BOOT = "found_at_boot"  # the worker's next boot found it among its own name's tasks
+    POOL_CHILD_LOST = "pool_child_lost"  # its pool process died (often the OOM killer); the worker lived
     NONE = ""
 
 
@@ -58,6 +59,7 @@ ORPHAN_EVIDENCE = frozenset(
         Evidence.NO_REPLY_LEASE_LAPSED,
         Evidence.NO_REPLY_NO_LEASE,
         Evidence.FOUND_AT_BOOT,
+        Evidence.POOL_CHILD_LOST,
     }
 )
 
@@ -156,6 +158,11 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
         return Evidence.NO_REPLY_LEASE_LAPSED
     # No boot id (a row without a ledger entry): any live boot under that name may be running it.
     return Evidence.NO_REPLY_LEASE_FRESH if worker.fresh_boots else Evidence.NO_REPLY_NO_LEASE
+
+
+def after_pool_loss(candidate: Candidate, policy: Policy) -> Decision:
+    """The worker saw the pool process running this task die: recover it, within the same cap."""
+    return _act_on_orphan(candidate, Evidence.POOL_CHILD_LOST, policy)
 
 
 def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision:

@@ -92,6 +92,13 @@ class RecoverableRequestMixin:
         except redis.RedisError as exc:
             logger.warning("celery-orphans: cannot remove %s[%s] from the ledger: %s", req.name, req.id, exc)
 
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        from celery_orphans import pool_loss
+
+        if self._orphans_token is not None and pool_loss.take_over(self, exc_info):
+            return
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)  # type: ignore[misc]
+
     def acknowledge(self) -> None:
         super().acknowledge()  # type: ignore[misc]
         self._orphans_release()

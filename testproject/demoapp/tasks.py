@@ -116,3 +116,14 @@ def retry_once(self: Any) -> int:
 def overrun(self: Any, seconds: float = 5.0) -> None:
     _record(self.request.id, "start")
     _sleep_steps(seconds)
+
+
+@recoverable(max_attempts=2)
+@shared_task(bind=True, name="demoapp.lose_pool_process")
+def lose_pool_process(self: Any, times: int = 99) -> str:
+    """Kills the pool process running it (as the OOM killer would) on its first ``times`` runs."""
+    _record(self.request.id, "start")
+    if sum(1 for e in runs(self.request.id) if e.startswith("start")) <= times:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _record(self.request.id, "finish")
+    return "survived"

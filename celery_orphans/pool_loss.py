@@ -1,0 +1,77 @@
+"""When a pool process dies under a recoverable task while the worker lives (typically the OOM killer).
+
+Celery would re-queue the message (``task_reject_on_worker_lost``) with nothing to stop a task that
+kills its process every time, or mark it failed. The worker's main process instead counts it as a
+recovery: it sends the task again under the same cap as every other recovery, and marks it terminal
+once the cap is reached.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import redis
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import WorkerLostError
+from celery.worker.state import task_ready
+from django.db import DatabaseError
+from django.utils import timezone
+
+from celery_orphans import actions, leases, registry
+from celery_orphans.conf import settings
+from celery_orphans.ledger import Entry, Ledger, delivery_from_message, now
+from celery_orphans.models import Trigger
+from celery_orphans.reconcile import Candidate, Policy, after_pool_loss
+from celery_orphans.store import Keys, client
+
+logger = logging.getLogger(__name__)
+
+
+def is_pool_loss(request: Any, exc: BaseException) -> bool:
+    if isinstance(exc, ExceptionWithTraceback):
+        exc = exc.exc
+    lost = isinstance(exc, WorkerLostError) or isinstance(exc, SystemExit)
+    return lost and not request._already_cancelled and not request._already_revoked
+
+
+def take_over(request: Any, exc_info: Any) -> bool:
+    """Recover (or close) the task of a lost pool process; ``False`` leaves it to Celery."""
+    beat = leases.current()
+    if beat is None or not settings.ENABLED or not is_pool_loss(request, exc_info.exception):
+        return False
+    policy = registry.policy_of(request.task)
+    if policy is None:
+        return False
+    try:
+        ledger = Ledger(client(), Keys.current())
+        attempts = ledger.attempts([request.id])[request.id]
+        entry = Entry(
+            task_id=request.id, task_name=request.name, node=beat.node, boot=beat.boot, recorded_at=now(),
+            delivery=delivery_from_message(request.message), token=request._orphans_token,
+        )
+        candidate = Candidate(
+            task_id=request.id, task_name=request.name, worker=beat.node, boot=beat.boot,
+            started_at=timezone.now(), row_status=None, has_entry=True, attempts=attempts,
+            recoverable=True, group=policy.group, max_attempts=policy.max_attempts,
+            content_type=entry.delivery.content_type,
+        )
+        decision = after_pool_loss(
+            candidate,
+            Policy(now=timezone.now(), grace=timedelta(0), max_attempts=settings.MAX_ATTEMPTS,
+                   groups=settings.GROUPS),
+        )
+        from celery_orphans.sweep import Options, Outcome
+
+        executor = actions.Executor(request.task.app, ledger, Options(trigger=Trigger.WORKER), timezone.now())
+        outcome = executor.carry_out(Outcome(decision, request.name, beat.node), candidate, entry)
+    except (redis.RedisError, DatabaseError) as exc:
+        logger.error("celery-orphans: could not take over %s[%s] after its pool process died: %s",
+                     request.name, request.id, exc)
+        return False
+    if not outcome.done:
+        return False
+    task_ready(request)
+    request.acknowledge()
+    return True
