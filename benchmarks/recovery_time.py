@@ -1,0 +1,158 @@
+"""Time to recover (P1, P2): from SIGKILL of a worker running a recoverable task to that task running again.
+
+P1: the worker is restarted under the same node name (systemd, a container restarted in place).
+P2: the worker never comes back; another worker is up, and Beat runs the reconcile as in production.
+
+Default celery-orphans settings throughout (heartbeat, lease, grace, sweep interval); real workers, a
+real Beat, Redis and PostgreSQL. "Running again" is the moment the re-run records its start.
+
+    python benchmarks/recovery_time.py --trials 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "testproject")]
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
+os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/11")
+os.environ["CELERY_ORPHANS_ENABLED"] = "true"
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.core.management import call_command  # noqa: E402
+from django_celery_results.models import TaskResult  # noqa: E402
+
+from celery_orphans.conf import settings  # noqa: E402
+from celery_orphans.models import OrphanEvent  # noqa: E402
+from celery_orphans.store import client  # noqa: E402
+from demoapp.tasks import runs, summarize  # noqa: E402
+from testproject.celery import app  # noqa: E402
+from tests.workers import PROJECT, WorkerPool, wait_for  # noqa: E402
+
+DEFAULT_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true"}
+
+
+def starts(task_id: str) -> list[float]:
+    return [float(e.split(":")[2]) for e in runs(task_id) if e.startswith("start")]
+
+
+def wait_started(task_id: str, worker: str) -> None:
+    wait_for(
+        lambda: TaskResult.objects.filter(task_id=task_id, status="STARTED", worker=worker).exists(),
+        30, f"{task_id} to start on {worker}",
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "p50": statistics.median(values),
+        "p95": percentile(values, 0.95),
+        "max": max(values),
+        "min": min(values),
+    }
+
+
+def same_name(pool: WorkerPool, trials: int) -> list[float]:
+    times = []
+    worker = pool.start("p1@bench", env=DEFAULT_ON)
+    for i in range(trials):
+        result = summarize.delay([i], seconds=30)
+        wait_started(result.id, "p1@bench")
+        time.sleep(0.5)  # let it run a little, as a real task would have
+        worker.kill()
+        killed = time.time()
+        worker = pool.start("p1@bench", env=DEFAULT_ON)
+        wait_for(lambda: len(starts(result.id)) >= 2, 60, "the re-run to start")
+        times.append(starts(result.id)[1] - killed)
+        app.control.revoke(result.id, terminate=True)
+        print(f"  P1 trial {i + 1}: {times[-1]:.2f}s", flush=True)
+    worker.kill()
+    return times
+
+
+def never_back(pool: WorkerPool, trials: int) -> list[float]:
+    survivor = "p2-survivor@bench"
+    pool.start(survivor, queues=("celery",), concurrency=2, env=DEFAULT_ON)
+    times = []
+    for i in range(trials):
+        name = f"p2-victim-{i}@bench"
+        victim = pool.start(name, queues=("victim",), env=DEFAULT_ON)
+        result = summarize.apply_async(([i],), {"seconds": 60}, queue="victim")
+        wait_started(result.id, name)
+        app.control.add_consumer("victim", destination=[survivor], reply=True, timeout=5)
+        time.sleep(0.5)
+        victim.kill()
+        killed = time.time()
+        wait_for(lambda: len(starts(result.id)) >= 2, 120, "the re-run to start")
+        times.append(starts(result.id)[1] - killed)
+        event = OrphanEvent.objects.filter(task_id=result.id).first()
+        if event is not None:
+            print(f"    recovered by {event.trigger} ({event.evidence}) {event.created_at.timestamp() - killed:.2f}s after the kill")
+        app.control.cancel_consumer("victim", destination=[survivor], reply=True, timeout=5)
+        app.control.revoke(result.id, terminate=True)
+        print(f"  P2 trial {i + 1}: {times[-1]:.2f}s", flush=True)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "recovery_time.json")
+    args = parser.parse_args()
+
+    call_command("migrate", verbosity=0)
+    client().flushdb()
+    TaskResult.objects.all().delete()
+    print(f"defaults: heartbeat {settings.HEARTBEAT_SECONDS}s, lease {settings.LEASE_SECONDS}s, "
+          f"grace {settings.GRACE_SECONDS}s, sweep every {settings.SWEEP_INTERVAL_SECONDS}s", flush=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix="celery-orphans-bench-"))
+    pool = WorkerPool(tmp, {**os.environ, "PYTHONPATH": str(ROOT)})
+    beat_log = open(tmp / "beat.log", "wb")  # noqa: SIM115
+    beat = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "testproject", "beat", "--loglevel=INFO",
+         "-S", "django_celery_beat.schedulers:DatabaseScheduler", "--pidfile="],
+        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=beat_log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        p1 = same_name(pool, args.trials)
+        p2 = never_back(pool, args.trials)
+    finally:
+        os.killpg(beat.pid, signal.SIGTERM)
+        beat.wait(timeout=10)
+        pool.close()
+    results = {
+        "P1_same_name_restart": {**summary(p1), "target": "p95 <= 10s", "pass": percentile(p1, 0.95) <= 10},
+        "P2_never_back": {**summary(p2), "target": "p50 <= 15s, max <= 60s",
+                          "pass": statistics.median(p2) <= 15 and max(p2) <= 60},
+    }
+    print(f"\n{'benchmark':<24}{'n':>4}{'p50':>8}{'p95':>8}{'max':>8}  target                   result")
+    for name, r in results.items():
+        print(f"{name:<24}{r['n']:>4}{r['p50']:>7.2f}s{r['p95']:>7.2f}s{r['max']:>7.2f}s  {r['target']:<24} "
+              f"{'PASS' if r['pass'] else 'FAIL'}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
