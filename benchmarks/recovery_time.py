@@ -32,14 +32,14 @@ import django  # noqa: E402
 
 django.setup()
 
+from demoapp.tasks import runs, summarize  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
+from testproject.celery import app  # noqa: E402
 
 from celery_orphans.conf import settings  # noqa: E402
 from celery_orphans.models import OrphanEvent  # noqa: E402
 from celery_orphans.store import client  # noqa: E402
-from demoapp.tasks import runs, summarize  # noqa: E402
-from testproject.celery import app  # noqa: E402
 from tests.workers import PROJECT, WorkerPool, wait_for  # noqa: E402
 
 DEFAULT_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true"}
@@ -52,7 +52,8 @@ def starts(task_id: str) -> list[float]:
 def wait_started(task_id: str, worker: str) -> None:
     wait_for(
         lambda: TaskResult.objects.filter(task_id=task_id, status="STARTED", worker=worker).exists(),
-        30, f"{task_id} to start on {worker}",
+        30,
+        f"{task_id} to start on {worker}",
     )
 
 
@@ -81,7 +82,7 @@ def same_name(pool: WorkerPool, trials: int) -> list[float]:
         worker.kill()
         killed = time.time()
         worker = pool.start("p1@bench", env=DEFAULT_ON)
-        wait_for(lambda: len(starts(result.id)) >= 2, 60, "the re-run to start")
+        wait_for(lambda r=result: len(starts(r.id)) >= 2, 60, "the re-run to start")
         times.append(starts(result.id)[1] - killed)
         app.control.revoke(result.id, terminate=True)
         print(f"  P1 trial {i + 1}: {times[-1]:.2f}s", flush=True)
@@ -102,11 +103,12 @@ def never_back(pool: WorkerPool, trials: int) -> list[float]:
         time.sleep(0.5)
         victim.kill()
         killed = time.time()
-        wait_for(lambda: len(starts(result.id)) >= 2, 120, "the re-run to start")
+        wait_for(lambda r=result: len(starts(r.id)) >= 2, 120, "the re-run to start")
         times.append(starts(result.id)[1] - killed)
         event = OrphanEvent.objects.filter(task_id=result.id).first()
         if event is not None:
-            print(f"    recovered by {event.trigger} ({event.evidence}) {event.created_at.timestamp() - killed:.2f}s after the kill")
+            after = event.created_at.timestamp() - killed
+            print(f"    recovered by {event.trigger} ({event.evidence}) {after:.2f}s after the kill")
         app.control.cancel_consumer("victim", destination=[survivor], reply=True, timeout=5)
         app.control.revoke(result.id, terminate=True)
         print(f"  P2 trial {i + 1}: {times[-1]:.2f}s", flush=True)
@@ -114,7 +116,9 @@ def never_back(pool: WorkerPool, trials: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "recovery_time.json")
     args = parser.parse_args()
@@ -122,16 +126,32 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     client().flushdb()
     TaskResult.objects.all().delete()
-    print(f"defaults: heartbeat {settings.HEARTBEAT_SECONDS}s, lease {settings.LEASE_SECONDS}s, "
-          f"grace {settings.GRACE_SECONDS}s, sweep every {settings.SWEEP_INTERVAL_SECONDS}s", flush=True)
+    print(
+        f"defaults: heartbeat {settings.HEARTBEAT_SECONDS}s, lease {settings.LEASE_SECONDS}s, "
+        f"grace {settings.GRACE_SECONDS}s, sweep every {settings.SWEEP_INTERVAL_SECONDS}s",
+        flush=True,
+    )
 
     tmp = Path(tempfile.mkdtemp(prefix="celery-orphans-bench-"))
     pool = WorkerPool(tmp, {**os.environ, "PYTHONPATH": str(ROOT)})
     beat_log = open(tmp / "beat.log", "wb")  # noqa: SIM115
     beat = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "testproject", "beat", "--loglevel=INFO",
-         "-S", "django_celery_beat.schedulers:DatabaseScheduler", "--pidfile="],
-        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=beat_log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "testproject",
+            "beat",
+            "--loglevel=INFO",
+            "-S",
+            "django_celery_beat.schedulers:DatabaseScheduler",
+            "--pidfile=",
+        ],
+        cwd=PROJECT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=beat_log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
@@ -143,13 +163,18 @@ def main() -> None:
         pool.close()
     results = {
         "P1_same_name_restart": {**summary(p1), "target": "p95 <= 10s", "pass": percentile(p1, 0.95) <= 10},
-        "P2_never_back": {**summary(p2), "target": "p50 <= 15s, max <= 60s",
-                          "pass": statistics.median(p2) <= 15 and max(p2) <= 60},
+        "P2_never_back": {
+            **summary(p2),
+            "target": "p50 <= 15s, max <= 60s",
+            "pass": statistics.median(p2) <= 15 and max(p2) <= 60,
+        },
     }
     print(f"\n{'benchmark':<24}{'n':>4}{'p50':>8}{'p95':>8}{'max':>8}  target                   result")
     for name, r in results.items():
-        print(f"{name:<24}{r['n']:>4}{r['p50']:>7.2f}s{r['p95']:>7.2f}s{r['max']:>7.2f}s  {r['target']:<24} "
-              f"{'PASS' if r['pass'] else 'FAIL'}")
+        print(
+            f"{name:<24}{r['n']:>4}{r['p50']:>7.2f}s{r['p95']:>7.2f}s{r['max']:>7.2f}s  {r['target']:<24} "
+            f"{'PASS' if r['pass'] else 'FAIL'}"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
 

@@ -35,7 +35,7 @@ ALL_RETRIES = 2**31 - 1
 _FAILURES = (redis.RedisError, DatabaseError, KombuError, OperationalError, OSError, ValueError)
 
 
-class Moved(Exception):  # noqa: N818
+class Moved(Exception):
     """The task changed since it was observed; leave it to the next sweep."""
 
 
@@ -58,25 +58,36 @@ class Executor:
                 else:
                     self._claim(decision.task_id, candidate, entry, "forget")
                 audit.record(
-                    decision, task_name=outcome.task_name, worker=outcome.worker,
-                    trigger=self.options.trigger, user=self.options.user,
+                    decision,
+                    task_name=outcome.task_name,
+                    worker=outcome.worker,
+                    trigger=self.options.trigger,
+                    user=self.options.user,
                 )
         except Moved:
             logger.info(
                 "celery-orphans: %s[%s] changed while the sweep looked at it; left for the next sweep",
-                outcome.task_name, decision.task_id,
+                outcome.task_name,
+                decision.task_id,
             )
             return outcome
         except _FAILURES as exc:
             logger.error(
                 "celery-orphans: could not %s %s[%s]: %s",
-                decision.action.value.replace("_", " "), outcome.task_name, decision.task_id, exc,
+                decision.action.value.replace("_", " "),
+                outcome.task_name,
+                decision.task_id,
+                exc,
             )
             return dataclasses.replace(outcome, decision=decision, error=f"{type(exc).__name__}: {exc}")
         logger.info(
             "celery-orphans: %s %s[%s] from worker %s: %s (%s%s)",
-            _PAST[decision.action], outcome.task_name, decision.task_id, outcome.worker or "?",
-            decision.reason.value, decision.evidence.value or "no evidence needed",
+            _PAST[decision.action],
+            outcome.task_name,
+            decision.task_id,
+            outcome.worker or "?",
+            decision.reason.value,
+            decision.evidence.value or "no evidence needed",
             f", attempt {decision.attempt}" if decision.action is Action.RECOVER else "",
         )
         return dataclasses.replace(outcome, decision=decision, done=True)
@@ -86,13 +97,21 @@ class Executor:
         decision = outcome.decision
         logger.info(
             "celery-orphans: shadow mode: would have %s %s[%s] from worker %s: %s (%s)",
-            _PAST[decision.action], outcome.task_name, decision.task_id, outcome.worker or "?",
-            decision.reason.value, decision.evidence.value,
+            _PAST[decision.action],
+            outcome.task_name,
+            decision.task_id,
+            outcome.worker or "?",
+            decision.reason.value,
+            decision.evidence.value,
         )
         try:
             audit.record_once(
-                decision, task_name=outcome.task_name, worker=outcome.worker,
-                trigger=self.options.trigger, user=self.options.user, shadow=True,
+                decision,
+                task_name=outcome.task_name,
+                worker=outcome.worker,
+                trigger=self.options.trigger,
+                user=self.options.user,
+                shadow=True,
             )
         except DatabaseError as exc:
             return dataclasses.replace(outcome, error=f"{type(exc).__name__}: {exc}")
@@ -137,9 +156,7 @@ class Executor:
         self._claim(decision.task_id, candidate, entry, "terminal")
         detail = f"orphaned on worker {worker}: {decision.detail}"
         rows.mark_failure(decision.task_id, detail, limit_reached=decision.reason is Reason.LIMIT_REACHED)
-        broker.discard_unacked(
-            self.app, decision.task_id, entry.delivery.delivery_tag if entry else None
-        )
+        broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag if entry else None)
         # After commit, so no worker reads a half-written state when it handles the revoke.
         transaction.on_commit(lambda: _revoke_quietly(self.app, decision.task_id))
 

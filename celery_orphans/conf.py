@@ -41,7 +41,7 @@ def _number(name: str, value: object, *, minimum: float, integer: bool) -> Any:
     if isinstance(value, bool):
         raise _invalid(name, value, "a number")
     try:
-        number = int(value) if integer else float(value)  # type: ignore[arg-type]
+        number = int(value) if integer else float(value)  # type: ignore[arg-type,call-overload]
     except (TypeError, ValueError):
         raise _invalid(name, value, "an integer" if integer else "a number") from None
     if not math.isfinite(number):
@@ -140,22 +140,32 @@ class Settings:
 
     ENABLED = Setting("ENABLED", _bool, False, "Master switch for the reconcile sweep.")
     GRACE_SECONDS = Setting(
-        "GRACE_SECONDS", non_negative_float, 5.0,
+        "GRACE_SECONDS",
+        non_negative_float,
+        5.0,
         "A task younger than this (from date_started) is never judged orphaned.",
     )
     MAX_ATTEMPTS = Setting(
-        "MAX_ATTEMPTS", positive_int, 3,
+        "MAX_ATTEMPTS",
+        positive_int,
+        3,
         "Recoveries allowed per task id within the attempts window before it is marked terminal.",
     )
     ATTEMPTS_WINDOW_SECONDS = Setting(
-        "ATTEMPTS_WINDOW_SECONDS", positive_int, 86_400,
+        "ATTEMPTS_WINDOW_SECONDS",
+        positive_int,
+        86_400,
         "How long the recovery counter (and the fence against stale copies) is kept per task id.",
     )
     REDIS_URL = Setting(
-        "REDIS_URL", _optional_str, None,
+        "REDIS_URL",
+        _optional_str,
+        None,
         "Redis/Valkey for the ledger, leases and counters; defaults to a redis:// broker URL.",
     )
-    GROUPS = Setting("GROUPS", _groups, {}, "Per-group switches; a group not listed is on.")
+    GROUPS: Setting[dict[str, bool]] = Setting(
+        "GROUPS", _groups, {}, "Per-group switches; a group not listed is on."
+    )
     SWEEP_INTERVAL_SECONDS = Setting(
         "SWEEP_INTERVAL_SECONDS", positive_int, 5, "How often Beat runs the reconcile task."
     )
@@ -166,24 +176,34 @@ class Settings:
         "LEASE_SECONDS", positive_float, 10.0, "How long a worker lease lives without renewal."
     )
     INSPECT_TIMEOUT_SECONDS = Setting(
-        "INSPECT_TIMEOUT_SECONDS", positive_float, 1.0,
+        "INSPECT_TIMEOUT_SECONDS",
+        positive_float,
+        1.0,
         "How long the sweep waits for workers to answer its one query_task broadcast.",
     )
     BOOT_SWEEP = Setting(
-        "BOOT_SWEEP", _bool, True,
+        "BOOT_SWEEP",
+        _bool,
+        True,
         "When a worker boots, recover at once what an earlier boot of its node name left running.",
     )
     SHADOW_MODE = Setting(
-        "SHADOW_MODE", _bool, False,
+        "SHADOW_MODE",
+        _bool,
+        False,
         "Decide and audit what would be done, without doing it: watch before switching recovery on.",
     )
-    MAX_ORPHAN_AGE_SECONDS = Setting(
-        "MAX_ORPHAN_AGE_SECONDS", _optional_positive_int, 86_400,
-        "An orphan that started longer ago than this is marked terminal, never resurrected; None for no limit.",
+    MAX_ORPHAN_AGE_SECONDS: Setting[int | None] = Setting(
+        "MAX_ORPHAN_AGE_SECONDS",
+        _optional_positive_int,
+        86_400,
+        "An orphan that started longer ago than this is marked terminal, not resurrected; None: no limit.",
     )
-    MAX_RECOVERIES_PER_SWEEP = Setting(
-        "MAX_RECOVERIES_PER_SWEEP", _optional_positive_int, 100,
-        "Recover at most this many per sweep, oldest first; the rest wait for the next sweep. None: no limit.",
+    MAX_RECOVERIES_PER_SWEEP: Setting[int | None] = Setting(
+        "MAX_RECOVERIES_PER_SWEEP",
+        _optional_positive_int,
+        100,
+        "Recover at most this many per sweep, oldest first; the rest wait for the next. None: no limit.",
     )
     KEY_PREFIX = Setting("KEY_PREFIX", _key_prefix, "celery_orphans", "Prefix of every Redis key.")
 

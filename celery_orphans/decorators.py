@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from celery import Task
-from celery import _state
+from celery import Task, _state
 from celery.local import PromiseProxy, Proxy
 from celery.utils.imports import symbol_by_name
 
@@ -18,12 +17,8 @@ TaskT = TypeVar("TaskT")
 @overload
 def recoverable(task: TaskT, /) -> TaskT: ...
 @overload
-def recoverable(
-    *, group: str | None = None, max_attempts: int | None = None
-) -> Callable[[TaskT], TaskT]: ...
-def recoverable(
-    task: Any = None, /, *, group: str | None = None, max_attempts: int | None = None
-) -> Any:
+def recoverable(*, group: str | None = None, max_attempts: int | None = None) -> Callable[[TaskT], TaskT]: ...
+def recoverable(task: Any = None, /, *, group: str | None = None, max_attempts: int | None = None) -> Any:
     """Mark a Celery task as idempotent, so an orphaned run of it may be sent again.
 
     Stack it above ``@shared_task`` or ``@app.task``, bare or with options::
@@ -57,14 +52,14 @@ def _mark(task: Any, policy: RecoveryPolicy) -> Any:
     if isinstance(task, Proxy):
         # ``@shared_task`` gives every app its own copy of the task: mark each one as it appears.
         name = target.name
-        for app in _state._get_active_apps():
+        for app in _state._get_active_apps():  # type: ignore[attr-defined]
             if app.finalized:
                 _apply_by_name(app, name, policy)
         _state.connect_on_app_finalize(lambda app: _apply_by_name(app, name, policy))
     return task
 
 
-def _resolve(task: Any) -> Task:
+def _resolve(task: Any) -> Task[Any, Any]:
     target = task._get_current_object() if isinstance(task, Proxy) else task
     if not isinstance(target, Task):
         raise TypeError(
@@ -80,11 +75,11 @@ def _apply_by_name(app: Any, name: str, policy: RecoveryPolicy) -> None:
         _apply(task, policy)
 
 
-def _apply(task: Task, policy: RecoveryPolicy) -> None:
+def _apply(task: Task[Any, Any], policy: RecoveryPolicy) -> None:
     from celery_orphans.request import recoverable_request_class
 
     setattr(task, POLICY_ATTR, policy)
     app_default = bool(task.app.conf.task_acks_late)
     if task.acks_late is None or bool(task.acks_late) == app_default:
         task.acks_late = True
-    task.Request = recoverable_request_class(symbol_by_name(task.Request))
+    task.Request = recoverable_request_class(symbol_by_name(task.Request))  # type: ignore[assignment]

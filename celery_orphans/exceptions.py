@@ -15,7 +15,7 @@ class LedgerUnavailable(CeleryOrphansError):
     """Redis/Valkey could not be reached, so the sweep stopped rather than act without a count."""
 
 
-class TaskOrphaned(Exception):  # noqa: N818 - recorded as a task's exception type, read by people
+class TaskOrphaned(Exception):
     """Stored as the result of an orphaned task that was not re-run.
 
     Its message names the worker that lost the task and why it was not recovered.

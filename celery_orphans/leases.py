@@ -50,8 +50,13 @@ class Heartbeat:
             self._stop.set()
             return False
         value = json.dumps(
-            {"node": self.node, "boot": self.boot, "pid": self.pid, "host": socket.gethostname(),
-             "renewed_at": time.time()}
+            {
+                "node": self.node,
+                "boot": self.boot,
+                "pid": self.pid,
+                "host": socket.gethostname(),
+                "renewed_at": time.time(),
+            }
         )
         try:
             pipe = client().pipeline(transaction=False)
@@ -88,7 +93,7 @@ class Heartbeat:
             logger.warning("celery-orphans: cannot drop the lease of %s: %s", self.node, exc)
 
 
-def fresh_boots(nodes: Iterable[str], conn: redis.Redis | None = None) -> dict[str, frozenset[str]]:
+def fresh_boots(nodes: Iterable[str], conn: redis.Redis[bytes] | None = None) -> dict[str, frozenset[str]]:
     """For each node name, the boot ids whose lease has not lapsed (two round trips in all)."""
     conn = conn or client()
     keys = Keys.current()
@@ -108,7 +113,9 @@ def fresh_boots(nodes: Iterable[str], conn: redis.Redis | None = None) -> dict[s
     return {node: frozenset(b for b in boots[node] if (node, b) in alive) for node in nodes}
 
 
-def renewals(node: str, boots: Iterable[str], conn: redis.Redis | None = None) -> dict[str, bytes | None]:
+def renewals(
+    node: str, boots: Iterable[str], conn: redis.Redis[bytes] | None = None
+) -> dict[str, bytes | None]:
     """The current lease value of each boot (it changes on every renewal); ``None`` once lapsed."""
     conn = conn or client()
     keys = Keys.current()

@@ -163,7 +163,7 @@ def delivery_from_message(message: Any) -> Delivery:
 class Ledger:
     """Ledger operations against one Redis client and key prefix."""
 
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+    def __init__(self, client: redis.Redis[bytes], keys: Keys) -> None:
         self.client = client
         self.keys = keys
         self._admit = client.register_script(_ADMIT)
@@ -181,9 +181,7 @@ class Ledger:
 
     def release(self, task_id: str, token: str) -> bool:
         """Remove the entry if it is still the one written with ``token``."""
-        return bool(
-            self._release(keys=[self.keys.entry(task_id), self.keys.inflight], args=[token, task_id])
-        )
+        return bool(self._release(keys=[self.keys.entry(task_id), self.keys.inflight], args=[token, task_id]))
 
     def claim(
         self, task_id: str, *, token: str, attempts: int, retries: int, ttl: int, mode: str
@@ -218,9 +216,7 @@ class Ledger:
             except (ValueError, TypeError, KeyError) as exc:
                 found[task_id] = f"unreadable ledger entry: {exc}"
                 continue
-            found[task_id] = (
-                entry if entry.task_id == task_id else "ledger entry names another task id"
-            )
+            found[task_id] = entry if entry.task_id == task_id else "ledger entry names another task id"
         return found
 
     def attempts(self, task_ids: list[str]) -> dict[str, int]:

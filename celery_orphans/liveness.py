@@ -36,7 +36,7 @@ def observe(
     nodes: Collection[str],
     task_ids: Collection[str],
     timeout: float,
-    conn: redis.Redis | None = None,
+    conn: redis.Redis[bytes] | None = None,
 ) -> dict[str, WorkerView]:
     """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases."""
     held = ask_workers(app, nodes, task_ids, timeout)

@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import redis
-from billiard.einfo import ExceptionWithTraceback
+from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
 from billiard.exceptions import WorkerLostError
 from celery.worker.state import task_ready
 from django.db import DatabaseError
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 def is_pool_loss(request: Any, exc: BaseException) -> bool:
     if isinstance(exc, ExceptionWithTraceback):
         exc = exc.exc
-    lost = isinstance(exc, WorkerLostError) or isinstance(exc, SystemExit)
+    lost = isinstance(exc, (WorkerLostError, SystemExit))
     return lost and not request._already_cancelled and not request._already_revoked
 
 
@@ -48,27 +48,48 @@ def take_over(request: Any, exc_info: Any) -> bool:
         ledger = Ledger(client(), Keys.current())
         attempts = ledger.attempts([request.id])[request.id]
         entry = Entry(
-            task_id=request.id, task_name=request.name, node=beat.node, boot=beat.boot, recorded_at=now(),
-            delivery=delivery_from_message(request.message), token=request._orphans_token,
+            task_id=request.id,
+            task_name=request.name,
+            node=beat.node,
+            boot=beat.boot,
+            recorded_at=now(),
+            delivery=delivery_from_message(request.message),
+            token=request._orphans_token,
         )
         candidate = Candidate(
-            task_id=request.id, task_name=request.name, worker=beat.node, boot=beat.boot,
-            started_at=timezone.now(), row_status=None, has_entry=True, attempts=attempts,
-            recoverable=True, group=policy.group, max_attempts=policy.max_attempts,
+            task_id=request.id,
+            task_name=request.name,
+            worker=beat.node,
+            boot=beat.boot,
+            started_at=timezone.now(),
+            row_status=None,
+            has_entry=True,
+            attempts=attempts,
+            recoverable=True,
+            group=policy.group,
+            max_attempts=policy.max_attempts,
             content_type=entry.delivery.content_type,
         )
         decision = after_pool_loss(
             candidate,
-            Policy(now=timezone.now(), grace=timedelta(0), max_attempts=settings.MAX_ATTEMPTS,
-                   groups=settings.GROUPS),
+            Policy(
+                now=timezone.now(),
+                grace=timedelta(0),
+                max_attempts=settings.MAX_ATTEMPTS,
+                groups=settings.GROUPS,
+            ),
         )
         from celery_orphans.sweep import Options, Outcome
 
         executor = actions.Executor(request.task.app, ledger, Options(trigger=Trigger.WORKER), timezone.now())
         outcome = executor.carry_out(Outcome(decision, request.name, beat.node), candidate, entry)
     except (redis.RedisError, DatabaseError) as exc:
-        logger.error("celery-orphans: could not take over %s[%s] after its pool process died: %s",
-                     request.name, request.id, exc)
+        logger.error(
+            "celery-orphans: could not take over %s[%s] after its pool process died: %s",
+            request.name,
+            request.id,
+            exc,
+        )
         return False
     if not outcome.done:
         return False

@@ -22,7 +22,8 @@ def recommended_celery_settings(
         raise ValueError(f"visibility_timeout must be positive, got {visibility_timeout!r}.")
     if soft_shutdown_timeout <= 0:
         raise ValueError(
-            f"soft_shutdown_timeout must be positive (0 turns soft shutdown off), got {soft_shutdown_timeout!r}."
+            "soft_shutdown_timeout must be positive (0 turns soft shutdown off), "
+            f"got {soft_shutdown_timeout!r}."
         )
     return {
         "task_acks_late": True,

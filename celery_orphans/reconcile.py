@@ -132,7 +132,9 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
         return Decision(c.task_id, Action.REPORT, Reason.NO_WORKER, detail="no worker is recorded")
     if not c.task_name or not c.task_known:
         return Decision(
-            c.task_id, Action.REPORT, Reason.UNKNOWN_TASK,
+            c.task_id,
+            Action.REPORT,
+            Reason.UNKNOWN_TASK,
             detail=f"task {c.task_name or '(no name)'!r} is not registered in this Celery app",
         )
     if c.started_at is None:
@@ -171,8 +173,12 @@ def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision
 
     if c.row_status in READY_STATES:
         return Decision(
-            c.task_id, Action.FORGET, Reason.ALREADY_FINISHED, evidence,
-            f"the task already ended {c.row_status}", c.attempts,
+            c.task_id,
+            Action.FORGET,
+            Reason.ALREADY_FINISHED,
+            evidence,
+            f"the task already ended {c.row_status}",
+            c.attempts,
         )
     if not c.recoverable:
         return terminal(Reason.NOT_RECOVERABLE, f"{c.task_name} is not marked @recoverable")
@@ -188,8 +194,12 @@ def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision
     if c.attempts >= cap:
         return terminal(Reason.LIMIT_REACHED, f"already recovered {c.attempts} of {cap} times")
     return Decision(
-        c.task_id, Action.RECOVER, Reason.RECOVERABLE, evidence,
-        f"recovery {c.attempts + 1} of {cap}", c.attempts + 1,
+        c.task_id,
+        Action.RECOVER,
+        Reason.RECOVERABLE,
+        evidence,
+        f"recovery {c.attempts + 1} of {cap}",
+        c.attempts + 1,
     )
 
 
@@ -202,8 +212,13 @@ def defer_excess(decisions: list[Decision], limit: int | None) -> list[Decision]
     for d in decisions:
         if d.action is Action.RECOVER:
             if kept >= limit:
-                d = Decision(d.task_id, Action.LEAVE, Reason.DEFERRED, d.evidence,
-                             f"over the limit of {limit} recoveries per sweep")
+                d = Decision(
+                    d.task_id,
+                    Action.LEAVE,
+                    Reason.DEFERRED,
+                    d.evidence,
+                    f"over the limit of {limit} recoveries per sweep",
+                )
             else:
                 kept += 1
         result.append(d)

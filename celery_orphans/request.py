@@ -76,7 +76,10 @@ class RecoverableRequestMixin:
         logger.warning(
             "celery-orphans: dropped a stale copy of %s[%s] (recovery attempt %d, retries %d): "
             "the task was recovered or marked terminal after this copy was sent",
-            req.name, req.id, entry.delivery.attempt, entry.delivery.retries,
+            req.name,
+            req.id,
+            entry.delivery.attempt,
+            entry.delivery.retries,
         )
         task_ready(req)
         req._already_revoked = True
@@ -108,7 +111,7 @@ class RecoverableRequestMixin:
         self._orphans_release()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recoverable_request_class(base: type[Request]) -> type[Request]:
     """``base`` with the recoverable hooks mixed in (a project's own Request class keeps working)."""
     if issubclass(base, RecoverableRequestMixin):

@@ -9,11 +9,11 @@ import redis
 
 from celery_orphans.conf import settings
 
-_clients: dict[str, redis.Redis] = {}
+_clients: dict[str, redis.Redis[bytes]] = {}
 _clients_lock = threading.Lock()
 
 
-def client() -> redis.Redis:
+def client() -> redis.Redis[bytes]:
     """A client for the configured URL, shared per process and URL (redis-py pools are thread-safe)."""
     url = settings.redis_url()
     with _clients_lock:

@@ -83,9 +83,7 @@ class Report:
     shadow: bool = False
 
     def count(self, action: Action, *, done_only: bool = False) -> int:
-        return sum(
-            1 for o in self.outcomes if o.decision.action is action and (o.done or not done_only)
-        )
+        return sum(1 for o in self.outcomes if o.decision.action is action and (o.done or not done_only))
 
     def summary(self) -> str:
         counts = Counter(o.decision.action for o in self.outcomes if o.done or self.dry_run)
@@ -100,7 +98,7 @@ class Report:
 
 
 def run(options: Options, app: Celery | None = None) -> Report:
-    """Run one sweep. Raises ``SweepLocked`` if another holds the lock, ``LedgerUnavailable`` without Redis."""
+    """Run one sweep; ``SweepLocked`` if another holds the lock, ``LedgerUnavailable`` without Redis."""
     app = app or current_app
     started = time.monotonic()
     if options.dry_run:
@@ -215,7 +213,7 @@ def candidate(
         row_status=row.status if row else None,
         has_entry=entry is not None,
         attempts=attempts,
-        task_known=bool(name) and registry.is_registered(name, app),
+        task_known=name is not None and registry.is_registered(name, app),
         recoverable=policy is not None,
         group=policy.group if policy else None,
         max_attempts=policy.max_attempts if policy else None,

@@ -33,7 +33,9 @@ def on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     if settings.ENABLED and settings.BOOT_SWEEP:
         app = getattr(sender, "app", None)
         threading.Thread(
-            target=boot_sweep, args=(app, beat, timezone.now()), name="celery-orphans-boot-sweep",
+            target=boot_sweep,
+            args=(app, beat, timezone.now()),
+            name="celery-orphans-boot-sweep",
             daemon=True,
         ).start()
 
@@ -63,7 +65,9 @@ def boot_sweep(app: Any, beat: leases.Heartbeat, booted_at: datetime) -> None:
     if others:
         logger.warning(
             "celery-orphans: another live worker holds the name %s (boots %s); two workers share a name, "
-            "so their tasks are left to the regular sweep", beat.node, ", ".join(sorted(others)),
+            "so their tasks are left to the regular sweep",
+            beat.node,
+            ", ".join(sorted(others)),
         )
         return
     scope = sweep.BootScope(beat.node, beat.boot, booted_at, _held_now)

@@ -48,7 +48,8 @@ def start_private_redis() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 10
     while not redis_answers(port):
@@ -80,9 +81,26 @@ def configure() -> subprocess.Popen[bytes] | None:
 def start_worker(log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "testproject", "worker", "-n", WORKER, "-c", "3",
-             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "testproject",
+                "worker",
+                "-n",
+                WORKER,
+                "-c",
+                "3",
+                "--loglevel=INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            cwd=PROJECT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     deadline = time.monotonic() + 60
     while b" ready." not in log.read_bytes().split(b"celery-orphans-demo-start")[-1]:
@@ -101,17 +119,18 @@ def main() -> None:
 
     logging.getLogger("celery_orphans").setLevel(logging.WARNING)  # the demo narrates itself
     from celery import chain
+    from demoapp.tasks import add, runs, scan, summarize
     from django.core.management import call_command
     from django_celery_results.models import TaskResult
 
     from celery_orphans import sweep
     from celery_orphans.models import OrphanEvent, Trigger
     from celery_orphans.store import client
-    from demoapp.tasks import add, runs, scan, summarize
 
     worker = None
     try:
-        say(f"database {os.environ['DATABASE_URL'].split('://')[0]}, redis {os.environ['REDIS_URL'].rsplit('@')[-1]}")
+        database = os.environ["DATABASE_URL"].split("://")[0]
+        say(f"database {database}, redis {os.environ['REDIS_URL'].rsplit('@')[-1]}")
         call_command("migrate", verbosity=0)
         client().flushdb()
         say("migrated; Redis database emptied")
@@ -150,8 +169,10 @@ def main() -> None:
                 sys.exit(f"The orphans were not handled in time; see {log}")
             time.sleep(0.05)
         for event in OrphanEvent.objects.filter(task_id__in=ids).order_by("id"):
-            say(f"  {event.task_name:<18} {event.action:<16} reason: {event.reason:<16} "
-                f"evidence: {event.evidence} (by {event.get_trigger_display().lower()})")
+            say(
+                f"  {event.task_name:<18} {event.action:<16} reason: {event.reason:<16} "
+                f"evidence: {event.evidence} (by {event.get_trigger_display().lower()})"
+            )
         say(f"all three handled {time.monotonic() - killed_at:.2f}s after the kill")
         report = sweep.run(sweep.Options(trigger=Trigger.COMMAND, dry_run=True))
         say(f"a sweep now finds nothing left to do: {report.summary()}")

@@ -26,7 +26,6 @@ _LOCK = pytest.StashKey[object]()
 @pytest.fixture
 def redis_client() -> Iterator[object]:
     import redis
-
     from django.conf import settings
 
     client = redis.Redis.from_url(settings.REDIS_URL)

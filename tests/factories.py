@@ -6,6 +6,7 @@ publishes a message a real worker can run.
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -21,8 +22,15 @@ from celery_orphans.store import Keys, client
 GHOST = "ghost@test"
 
 
-def delivery(name: str, task_id: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-             *, content_type: str = "application/json", queue: str = "celery") -> Delivery:
+def delivery(
+    name: str,
+    task_id: str,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    content_type: str = "application/json",
+    queue: str = "celery",
+) -> Delivery:
     message = current_app.amqp.as_task_v2(task_id, name, args, kwargs or {})
     serializer = {"application/json": "json", "application/x-python-serialize": "pickle"}[content_type]
     ctype, encoding, body = dumps(message.body, serializer=serializer)
@@ -55,13 +63,23 @@ def orphan(
     started = timezone.now() - timedelta(seconds=started_ago)
     if row:
         TaskResult.objects.create(
-            task_id=task_id, task_name=name, status="STARTED", worker=worker,
-            date_started=started, result='{"pid": 1, "hostname": "%s"}' % worker,
+            task_id=task_id,
+            task_name=name,
+            status="STARTED",
+            worker=worker,
+            date_started=started,
+            result=json.dumps({"pid": 1, "hostname": worker}),
         )
     if entry:
         Ledger(client(), Keys.current()).admit(
-            Entry(task_id=task_id, task_name=name, node=worker, boot="dead-boot",
-                  recorded_at=started.timestamp(), delivery=delivery(name, task_id, args, content_type=content_type),
-                  token=uuid.uuid4().hex)
+            Entry(
+                task_id=task_id,
+                task_name=name,
+                node=worker,
+                boot="dead-boot",
+                recorded_at=started.timestamp(),
+                delivery=delivery(name, task_id, args, content_type=content_type),
+                token=uuid.uuid4().hex,
+            )
         )
     return task_id

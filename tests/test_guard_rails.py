@@ -32,7 +32,10 @@ def test_shadow_mode_audits_what_it_would_do_once_and_changes_nothing_else(redis
         report = run()
 
     assert {o.decision.action for o in report.outcomes} == {Action.RECOVER, Action.MARK_TERMINAL}
-    assert sorted(OrphanEvent.objects.values_list("action", flat=True)) == ["would_mark_terminal", "would_recover"]
+    assert sorted(OrphanEvent.objects.values_list("action", flat=True)) == [
+        "would_mark_terminal",
+        "would_recover",
+    ]
     assert set(TaskResult.objects.values_list("status", flat=True)) == {"STARTED"}
     assert Ledger(client(), Keys.current()).attempts([recoverable, scan]) == {recoverable: 0, scan: 0}
     assert redis_client.llen("celery") == 0

@@ -38,8 +38,11 @@ def test_no_entry_is_left_after_success_failure_retry_revoke_and_time_limit(work
     retried = retry_once.delay()
     timed_out = overrun.delay(5)
     revoked_running = summarize.delay([3], seconds=30)
-    wait_for(lambda: TaskResult.objects.filter(task_id=revoked_running.id, status="STARTED").exists(), 15,
-             "the long task to start")
+    wait_for(
+        lambda: TaskResult.objects.filter(task_id=revoked_running.id, status="STARTED").exists(),
+        15,
+        "the long task to start",
+    )
     celery_app.control.revoke(revoked_running.id, terminate=True)
 
     assert done.get(timeout=15) == 2
@@ -48,7 +51,10 @@ def test_no_entry_is_left_after_success_failure_retry_revoke_and_time_limit(work
     assert retried.get(timeout=15) == 1
     with pytest.raises(TimeLimitExceeded):
         timed_out.get(timeout=15)
-    wait_for(lambda: TaskResult.objects.filter(task_id=revoked_running.id, status="REVOKED").exists(), 15,
-             "the revoke to land")
+    wait_for(
+        lambda: TaskResult.objects.filter(task_id=revoked_running.id, status="REVOKED").exists(),
+        15,
+        "the revoke to land",
+    )
     wait_for(lambda: ledger().count() == 0, 10, "the ledger to empty")
     assert client().keys(f"{Keys.current().prefix}:entry:*") == []

@@ -21,7 +21,11 @@ def test_task_whose_pool_process_dies_once_is_sent_again_by_the_worker_itself(wo
     assert starts(result.id) == 2
     [event] = OrphanEvent.objects.filter(task_id=result.id)
     assert (event.action, event.evidence, event.trigger, event.attempt) == (
-        "recovered", "pool_child_lost", "worker", 1)
+        "recovered",
+        "pool_child_lost",
+        "worker",
+        1,
+    )
 
 
 def test_task_that_kills_its_pool_process_every_time_stops_after_max_attempts(workers):
@@ -33,5 +37,6 @@ def test_task_that_kills_its_pool_process_every_time_stops_after_max_attempts(wo
     with pytest.raises(RecoveryLimitReached):
         result.get(timeout=40)
     assert starts(result.id) == 3
-    assert list(OrphanEvent.objects.filter(task_id=result.id).order_by("id").values_list("action", flat=True)) == [
-        "recovered", "recovered", "marked_terminal"]
+    assert list(
+        OrphanEvent.objects.filter(task_id=result.id).order_by("id").values_list("action", flat=True)
+    ) == ["recovered", "recovered", "marked_terminal"]

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.worker
 def started_on(task_id: str, worker: str, timeout: float = 20) -> TaskResult:
     return wait_for(
         lambda: TaskResult.objects.filter(task_id=task_id, status="STARTED", worker=worker).first(),
-        timeout, f"{task_id} STARTED on {worker}",
+        timeout,
+        f"{task_id} STARTED on {worker}",
     )
 
 
@@ -104,8 +105,12 @@ def test_resent_message_is_byte_for_byte_the_original_with_recovery_headers_adde
     from demoapp.tasks import echo
 
     worker = workers.start("bytes@test", queues=("held",))
-    args = ("x" * 5000, datetime(2024, 2, 29, 12, 30, tzinfo=timezone.utc), Decimal("12.345678901234567890"),
-            {"nested": {"list": [1, 2.5, None, "é"], "deep": {"k": True}}})
+    args = (
+        "x" * 5000,
+        datetime(2024, 2, 29, 12, 30, tzinfo=timezone.utc),
+        Decimal("12.345678901234567890"),
+        {"nested": {"list": [1, 2.5, None, "é"], "deep": {"k": True}}},
+    )
     result = echo.apply_async(args, {"seconds": 5}, queue="held")
     started_on(result.id, "bytes@test")
     original = Ledger(client(), Keys.current()).load([result.id])[result.id]
@@ -115,8 +120,11 @@ def test_resent_message_is_byte_for_byte_the_original_with_recovery_headers_adde
 
     [raw] = redis_client.lrange("held", 0, -1)
     payload = json.loads(raw)
-    assert base64.b64decode(payload["body"]) == original.delivery.raw_body().encode() if isinstance(
-        original.delivery.raw_body(), str) else original.delivery.raw_body()
+    assert (
+        base64.b64decode(payload["body"]) == original.delivery.raw_body().encode()
+        if isinstance(original.delivery.raw_body(), str)
+        else original.delivery.raw_body()
+    )
     headers = dict(payload["headers"])
     recovery = headers.pop("celery_orphans")
     assert headers == original.delivery.headers
@@ -150,8 +158,11 @@ def test_chord_whose_member_was_orphaned_completes(workers):
     result = chord([add.s(1, 1), add.s(2, 2, seconds=4)], collect.s()).delay()
     slow_id = result.parent.results[1].id
     started_on(slow_id, "chord@test")
-    wait_for(lambda: TaskResult.objects.filter(task_id=result.parent.results[0].id, status="SUCCESS").exists(),
-             20, "the fast member to finish")
+    wait_for(
+        lambda: TaskResult.objects.filter(task_id=result.parent.results[0].id, status="SUCCESS").exists(),
+        20,
+        "the fast member to finish",
+    )
     worker.kill()
     workers.start("chord@test")
 
@@ -171,7 +182,10 @@ def test_non_recoverable_orphan_ends_failure_with_task_orphaned_and_never_runs_a
 
     outcome = outcome_of(sweep_now(), result.id)
 
-    assert (outcome.decision.action, outcome.decision.reason.value) == (Action.MARK_TERMINAL, "not_recoverable")
+    assert (outcome.decision.action, outcome.decision.reason.value) == (
+        Action.MARK_TERMINAL,
+        "not_recoverable",
+    )
     assert result.state == "FAILURE"
     with pytest.raises(TaskOrphaned, match="scan@test"):
         result.get(timeout=5)
@@ -217,7 +231,9 @@ def test_stale_copy_restored_by_the_transport_after_a_recovery_does_not_run(work
     redis_client.zadd("unacked_index", {tag: 1})
     workers.start("restorer@test", env={"TESTPROJECT_VISIBILITY_TIMEOUT": "2"})
 
-    wait_for(lambda: any("dropped a stale copy" in w.log() for w in workers), 20, "the stale copy to be dropped")
+    wait_for(
+        lambda: any("dropped a stale copy" in w.log() for w in workers), 20, "the stale copy to be dropped"
+    )
     assert not redis_client.hexists("unacked", tag)
     assert (starts(result.id), finishes(result.id)) == (2, 1)
     assert TaskResult.objects.get(task_id=result.id).status == "SUCCESS"
@@ -268,7 +284,9 @@ def test_four_concurrent_sweeps_over_twenty_orphans_recover_each_exactly_once(wo
 
     assert not errors
     ids = [r.id for r in results]
-    assert sorted(OrphanEvent.objects.filter(action="recovered").values_list("task_id", flat=True)) == sorted(ids)
+    assert sorted(OrphanEvent.objects.filter(action="recovered").values_list("task_id", flat=True)) == sorted(
+        ids
+    )
     assert set(Ledger(client(), Keys.current()).attempts(ids).values()) == {1}
     assert client().llen("celery") == 20
 

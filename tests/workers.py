@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,7 +59,9 @@ class Worker:
 
     def send(self, signum: int) -> None:
         if self.is_running():
-            os.killpg(self.process.pid, signum) if signum == signal.SIGKILL else self.process.send_signal(signum)
+            os.killpg(self.process.pid, signum) if signum == signal.SIGKILL else self.process.send_signal(
+                signum
+            )
 
     def kill(self) -> None:
         """SIGKILL the worker and every process of its pool, as an OOM killer or node loss would."""
@@ -94,14 +97,33 @@ class WorkerPool:
     ) -> Worker:
         log_path = self.tmp_path / f"{name.replace('@', '_')}-{len(self.workers)}.log"
         command = [
-            sys.executable, "-m", "celery", "-A", "testproject", "worker",
-            "-n", name, "-P", pool, "-c", str(concurrency), "-Q", ",".join(queues),
-            "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "testproject",
+            "worker",
+            "-n",
+            name,
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            ",".join(queues),
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
         ]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                command, cwd=PROJECT, env={**self.env, **BOOT_SWEEP_OFF, **(env or {})}, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                command,
+                cwd=PROJECT,
+                env={**self.env, **BOOT_SWEEP_OFF, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         worker = Worker(name=name, log_path=log_path, process=process)
         self.workers.append(worker)
@@ -114,10 +136,8 @@ class WorkerPool:
             if worker.is_running():
                 worker.kill()
             else:
-                try:
-                    os.killpg(worker.pid, signal.SIGKILL)  # pool children left behind by a killed parent
-                except ProcessLookupError:
-                    pass
+                with contextlib.suppress(ProcessLookupError):  # pool children of a killed parent
+                    os.killpg(worker.pid, signal.SIGKILL)
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(self.workers)

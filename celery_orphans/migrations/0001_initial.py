@@ -4,33 +4,58 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='OrphanEvent',
+            name="OrphanEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('task_id', models.CharField(db_index=True, max_length=255)),
-                ('task_name', models.CharField(blank=True, max_length=255)),
-                ('worker', models.CharField(blank=True, max_length=255)),
-                ('action', models.CharField(choices=[('recovered', 'Recovered'), ('marked_terminal', 'Marked terminal'), ('forgotten', 'Forgotten (already finished)')], max_length=32)),
-                ('reason', models.CharField(max_length=64)),
-                ('evidence', models.CharField(blank=True, max_length=64)),
-                ('detail', models.TextField(blank=True)),
-                ('attempt', models.PositiveIntegerField(blank=True, null=True)),
-                ('trigger', models.CharField(choices=[('beat', 'Beat schedule'), ('command', 'Management command'), ('worker_boot', 'Worker boot'), ('admin', 'Admin action'), ('api', 'HTTP endpoint')], max_length=32)),
-                ('triggered_by', models.CharField(blank=True, max_length=150)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("task_id", models.CharField(db_index=True, max_length=255)),
+                ("task_name", models.CharField(blank=True, max_length=255)),
+                ("worker", models.CharField(blank=True, max_length=255)),
+                (
+                    "action",
+                    models.CharField(
+                        choices=[
+                            ("recovered", "Recovered"),
+                            ("marked_terminal", "Marked terminal"),
+                            ("forgotten", "Forgotten (already finished)"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("reason", models.CharField(max_length=64)),
+                ("evidence", models.CharField(blank=True, max_length=64)),
+                ("detail", models.TextField(blank=True)),
+                ("attempt", models.PositiveIntegerField(blank=True, null=True)),
+                (
+                    "trigger",
+                    models.CharField(
+                        choices=[
+                            ("beat", "Beat schedule"),
+                            ("command", "Management command"),
+                            ("worker_boot", "Worker boot"),
+                            ("admin", "Admin action"),
+                            ("api", "HTTP endpoint"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("triggered_by", models.CharField(blank=True, max_length=150)),
             ],
             options={
-                'verbose_name': 'orphan event',
-                'ordering': ('-created_at', '-id'),
-                'permissions': (('recover_orphans', 'Can recover or mark orphaned tasks terminal'),),
+                "verbose_name": "orphan event",
+                "ordering": ("-created_at", "-id"),
+                "permissions": (("recover_orphans", "Can recover or mark orphaned tasks terminal"),),
             },
         ),
     ]

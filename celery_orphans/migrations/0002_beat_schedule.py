@@ -1,5 +1,7 @@
 """Create the django-celery-beat schedule of the reconcile task."""
 
+from typing import Any
+
 from django.db import migrations
 
 TASK_NAME = "celery_orphans.reconcile"
@@ -23,8 +25,12 @@ def create_schedule(apps, schema_editor):  # type: ignore[no-untyped-def]
     )
     PeriodicTask.objects.using(db).update_or_create(
         name=SCHEDULE_NAME,
-        defaults={"task": TASK_NAME, "interval": interval, "enabled": True,
-                  "description": "Recover or close tasks whose worker died (celery-orphans)."},
+        defaults={
+            "task": TASK_NAME,
+            "interval": interval,
+            "enabled": True,
+            "description": "Recover or close tasks whose worker died (celery-orphans).",
+        },
     )
     _bump(PeriodicTasks, db)
 
@@ -37,7 +43,7 @@ def remove_schedule(apps, schema_editor):  # type: ignore[no-untyped-def]
     _bump(PeriodicTasks, db)
 
 
-def _bump(PeriodicTasks, db):  # type: ignore[no-untyped-def]
+def _bump(PeriodicTasks: Any, db: str) -> None:
     # Historical models skip PeriodicTask.save(), which is what normally tells a running beat to reload.
     from django.utils import timezone
 

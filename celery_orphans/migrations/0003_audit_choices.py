@@ -4,20 +4,39 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('celery_orphans', '0002_beat_schedule'),
+        ("celery_orphans", "0002_beat_schedule"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='orphanevent',
-            name='action',
-            field=models.CharField(choices=[('recovered', 'Recovered'), ('marked_terminal', 'Marked terminal'), ('forgotten', 'Forgotten (already finished)'), ('would_recover', 'Would recover (shadow mode)'), ('would_mark_terminal', 'Would mark terminal (shadow mode)'), ('would_forget', 'Would forget (shadow mode)')], max_length=32),
+            model_name="orphanevent",
+            name="action",
+            field=models.CharField(
+                choices=[
+                    ("recovered", "Recovered"),
+                    ("marked_terminal", "Marked terminal"),
+                    ("forgotten", "Forgotten (already finished)"),
+                    ("would_recover", "Would recover (shadow mode)"),
+                    ("would_mark_terminal", "Would mark terminal (shadow mode)"),
+                    ("would_forget", "Would forget (shadow mode)"),
+                ],
+                max_length=32,
+            ),
         ),
         migrations.AlterField(
-            model_name='orphanevent',
-            name='trigger',
-            field=models.CharField(choices=[('beat', 'Beat schedule'), ('command', 'Management command'), ('worker_boot', 'Worker boot'), ('worker', 'Worker (pool process lost)'), ('admin', 'Admin action'), ('api', 'HTTP endpoint')], max_length=32),
+            model_name="orphanevent",
+            name="trigger",
+            field=models.CharField(
+                choices=[
+                    ("beat", "Beat schedule"),
+                    ("command", "Management command"),
+                    ("worker_boot", "Worker boot"),
+                    ("worker", "Worker (pool process lost)"),
+                    ("admin", "Admin action"),
+                    ("api", "HTTP endpoint"),
+                ],
+                max_length=32,
+            ),
         ),
     ]

@@ -127,3 +127,16 @@ def lose_pool_process(self: Any, times: int = 99) -> str:
         os.kill(os.getpid(), signal.SIGKILL)
     _record(self.request.id, "finish")
     return "survived"
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.spin")
+def spin(self: Any, seconds: float) -> int:
+    """Busy in a tight Python loop, never sleeping, for ``seconds``."""
+    _record(self.request.id, "start")
+    end = time.monotonic() + seconds
+    count = 0
+    while time.monotonic() < end:
+        count += 1
+    _record(self.request.id, "finish")
+    return count

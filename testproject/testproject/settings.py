@@ -70,9 +70,7 @@ def _database(url: str) -> dict[str, object]:
     raise ValueError(f"DATABASE_URL scheme {parts.scheme!r} is not supported by the test project")
 
 
-DATABASES = {
-    "default": _database(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"))
-}
+DATABASES = {"default": _database(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"))}
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 

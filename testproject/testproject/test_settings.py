@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
 
-from testproject.settings import *  # noqa: E402,F403
+from testproject.settings import *  # noqa: F403
 
 # Short leases so that a killed worker is provably gone within a couple of seconds.
 CELERY_ORPHANS_HEARTBEAT_SECONDS = 0.5

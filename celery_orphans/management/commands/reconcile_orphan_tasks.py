@@ -46,16 +46,21 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument(
-            "--dry-run", action="store_true",
+            "--dry-run",
+            action="store_true",
             help="Decide and report, change nothing. Works with CELERY_ORPHANS_ENABLED off.",
         )
         parser.add_argument(
-            "--grace-minutes", type=_non_negative_minutes, default=None,
+            "--grace-minutes",
+            type=_non_negative_minutes,
+            default=None,
             help="Only judge tasks started at least this long ago (fractions allowed). "
             "Default: CELERY_ORPHANS_GRACE_SECONDS.",
         )
         parser.add_argument(
-            "--max-attempts", type=_positive_int, default=None,
+            "--max-attempts",
+            type=_positive_int,
+            default=None,
             help="Recoveries allowed per task before it is marked terminal, unless the task sets its own "
             "with @recoverable(max_attempts=...). Default: CELERY_ORPHANS_MAX_ATTEMPTS.",
         )
@@ -91,9 +96,7 @@ class Command(BaseCommand):
         self._print(report, options)
 
     def _print(self, report: sweep.Report, options: dict[str, Any]) -> None:
-        outcomes = [
-            o for o in report.outcomes if options["all"] or o.decision.action is not Action.LEAVE
-        ]
+        outcomes = [o for o in report.outcomes if options["all"] or o.decision.action is not Action.LEAVE]
         if options["json"]:
             for o in outcomes:
                 self.stdout.write(json.dumps(_as_dict(o, report.dry_run)))
@@ -123,8 +126,14 @@ def _as_dict(outcome: sweep.Outcome, dry_run: bool) -> dict[str, Any]:
 def _table(outcomes: list[sweep.Outcome]) -> str:
     header = ("TASK ID", "NAME", "WORKER", "DECISION", "REASON", "EVIDENCE")
     lines = [
-        (o.decision.task_id, o.task_name, o.worker, o.decision.action.value, o.decision.reason.value,
-         o.decision.evidence.value)
+        (
+            o.decision.task_id,
+            o.task_name,
+            o.worker,
+            o.decision.action.value,
+            o.decision.reason.value,
+            o.decision.evidence.value,
+        )
         for o in outcomes
     ]
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]

@@ -1,0 +1,98 @@
+"""No live task is ever recovered: busy solo workers, busy loops, a paused Redis, a cut broker link."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from celery_orphans import sweep
+from celery_orphans.models import OrphanEvent, Trigger
+from celery_orphans.reconcile import Action
+from tests.test_recovery import finishes, started_on, starts
+from tests.workers import wait_for
+
+pytestmark = pytest.mark.worker
+
+
+def sweep_while(condition: object, every: float = 1.0) -> list[sweep.Report]:
+    reports = []
+    while condition():  # type: ignore[operator]
+        reports.append(sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0)))
+        time.sleep(every)
+    return reports
+
+
+def assert_never_acted(reports: list[sweep.Report], task_id: str) -> None:
+    actions = {o.decision.action for r in reports for o in r.outcomes if o.decision.task_id == task_id}
+    assert actions <= {Action.LEAVE}, actions
+    assert not OrphanEvent.objects.exists()
+
+
+def test_solo_worker_running_a_sixty_second_task_is_never_recovered(workers):
+    from demoapp.tasks import summarize
+
+    workers.start("solo60@test", pool="solo")
+    result = summarize.delay([6], seconds=60)
+    started_on(result.id, "solo60@test")
+
+    reports = sweep_while(lambda: not result.ready(), every=2.0)
+
+    assert len(reports) >= 20
+    assert_never_acted(reports, result.id)
+    assert result.get(timeout=5) == 6 and starts(result.id) == 1
+
+
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
+def test_task_spinning_in_a_tight_loop_for_thirty_seconds_is_never_recovered(workers, pool):
+    from demoapp.tasks import spin
+
+    workers.start(f"spin-{pool}@test", pool=pool)
+    result = spin.delay(30)
+    started_on(result.id, f"spin-{pool}@test")
+
+    reports = sweep_while(lambda: not result.ready(), every=2.0)
+
+    assert_never_acted(reports, result.id)
+    assert result.get(timeout=5) > 0 and starts(result.id) == 1
+
+
+def test_redis_paused_for_five_seconds_during_sweeps_recovers_nothing(workers, redis_client):
+    from demoapp.tasks import summarize
+
+    workers.start("pause@test", pool="solo")
+    result = summarize.delay([5], seconds=15)
+    started_on(result.id, "pause@test")
+    reports: list[sweep.Report] = []
+    sweeper = threading.Thread(target=lambda: reports.extend(sweep_while(lambda: not result.ready(), 0.5)))
+    sweeper.start()
+    time.sleep(1)
+    redis_client.execute_command("CLIENT", "PAUSE", 5000, "ALL")
+    sweeper.join(timeout=60)
+
+    assert len(reports) >= 3
+    assert_never_acted(reports, result.id)
+    assert result.get(timeout=5) == 5 and starts(result.id) == 1
+
+
+def test_worker_whose_broker_connections_are_cut_and_restored_is_not_recovered(workers, redis_client):
+    from demoapp.tasks import summarize
+
+    worker = workers.start("cut@test")
+    result = summarize.delay([3], seconds=12)
+    started_on(result.id, "cut@test")
+    for client in redis_client.client_list():
+        if client.get("name", "") != "" or client["cmd"] in {"brpop", "blpop", "subscribe", "psubscribe"}:
+            redis_client.client_kill_filter(_id=client["id"])
+    wait_for(
+        lambda: "Connected to redis" in worker.log().split("ready.")[-1] or result.ready(),
+        20,
+        "the worker to reconnect",
+    )
+
+    reports = sweep_while(lambda: not result.ready(), every=1.0)
+
+    assert_never_acted(reports, result.id)
+    assert result.get(timeout=20) == 3
+    assert finishes(result.id) >= 1
