@@ -1,0 +1,244 @@
+"""One sweep at a time: the PostgreSQL advisory lock, and the Redis lock used elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+from django.db import connection, transaction
+
+from celery_orphans import locks
+from celery_orphans.exceptions import SweepLocked
+from celery_orphans.locks import ADVISORY_LOCK_ID, sweep_lock
+from celery_orphans.store import Keys
+from tests.workers import wait_for
+
+postgres_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="the advisory lock exists only on PostgreSQL"
+)
+
+
+def in_thread(function: Callable[[], object]) -> object:
+    """Run ``function`` in a new thread, on a database connection of its own; return or raise its result."""
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = function()
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the other thread did not finish"
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]
+
+
+def lock_is_free_elsewhere() -> bool:
+    """Whether another connection can take the sweep lock right now (it lets go at once)."""
+
+    def attempt() -> bool:
+        try:
+            with sweep_lock():
+                return True
+        except SweepLocked:
+            return False
+
+    return bool(in_thread(attempt))
+
+
+def hold_and_fail(free_while_held: list[bool]) -> None:
+    """Take the lock, note whether another connection could take it too, then fail inside the block."""
+    with sweep_lock():
+        free_while_held.append(lock_is_free_elsewhere())
+        raise ZeroDivisionError("the sweep failed part way")
+
+
+def advisory_locks_held() -> int:
+    """How many sessions hold the sweep's advisory lock in this database."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND (classid::bigint << 32) + objid::bigint = %s"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            [ADVISORY_LOCK_ID],
+        )
+        (count,) = cursor.fetchone()
+    return int(count)
+
+
+@contextmanager
+def held_in_thread() -> Iterator[threading.Event]:
+    """Hold the sweep lock in another thread for the block; yields an event set once it has left its block."""
+    holding, release, left = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            with sweep_lock():
+                holding.set()
+                release.wait(timeout=30)
+            left.set()
+        except BaseException as exc:
+            errors.append(exc)
+            holding.set()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert holding.wait(timeout=10), "the holder never took the lock"
+        assert not errors, errors
+        yield left
+    finally:
+        release.set()
+        thread.join(timeout=10)
+    assert not errors, errors
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_second_sweep_lock_is_refused_at_once_while_the_first_is_held():
+    with held_in_thread() as left:
+        with pytest.raises(SweepLocked, match="another reconcile sweep holds the lock"), sweep_lock():
+            pytest.fail("took a lock that another connection holds")
+        # Refused while the holder is still inside its block: the second caller did not wait for it.
+        assert not left.is_set()
+
+    assert lock_is_free_elsewhere()
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_lock_is_released_when_the_holders_block_ends():
+    with sweep_lock():
+        assert advisory_locks_held() == 1
+        assert not lock_is_free_elsewhere()
+
+    assert advisory_locks_held() == 0
+    assert lock_is_free_elsewhere()
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_lock_is_released_when_the_holder_raises():
+    free_while_held = []
+
+    with pytest.raises(ZeroDivisionError):
+        hold_and_fail(free_while_held)
+
+    assert free_while_held == [False]
+    assert lock_is_free_elsewhere()
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_lock_taken_inside_an_outer_transaction_lasts_until_that_transaction_ends():
+    with transaction.atomic():
+        with sweep_lock():
+            pass
+        # A transaction-level lock: leaving the block releases only a savepoint, not the lock.
+        assert not lock_is_free_elsewhere()
+
+    assert lock_is_free_elsewhere()
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_lock_becomes_free_when_the_process_holding_it_is_killed():
+    from psycopg.conninfo import make_conninfo
+
+    s = connection.settings_dict
+    conninfo = make_conninfo(
+        dbname=s["NAME"],
+        user=s["USER"] or None,
+        password=s["PASSWORD"] or None,
+        host=s["HOST"] or None,
+        port=s["PORT"] or None,
+    )
+    holder_code = (
+        "import os, sys, time, psycopg\n"
+        "conn = psycopg.connect(os.environ['HOLDER_CONNINFO'])\n"
+        "with conn.transaction():\n"
+        f"    conn.execute('SELECT pg_advisory_xact_lock({ADVISORY_LOCK_ID})')\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holder_code],
+        env={**os.environ, "HOLDER_CONNINFO": conninfo},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        assert not lock_is_free_elsewhere()
+
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+
+        # PostgreSQL ends the dead client's session, and its transaction with it, when the socket closes.
+        wait_for(lock_is_free_elsewhere, 20, "the killed holder's lock to be released", interval=0.1)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=10)
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+@pytest.fixture
+def redis_lock(monkeypatch, redis_client):
+    """Take the Redis path, as on a database without advisory locks."""
+    monkeypatch.setattr(locks, "uses_advisory_lock", lambda using="default": False)
+    return Keys.current().lock
+
+
+@pytest.mark.django_db(transaction=True)
+def test_redis_lock_refuses_a_second_holder_while_held(redis_lock, redis_client):
+    with held_in_thread() as left:
+        assert redis_client.exists(redis_lock)
+        with pytest.raises(SweepLocked), sweep_lock():
+            pytest.fail("took a lock that another holder has")
+        assert not left.is_set()
+
+    assert not redis_client.exists(redis_lock)
+    assert lock_is_free_elsewhere()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_redis_lock_expires_on_its_own_so_a_dead_holder_cannot_keep_it(redis_lock, redis_client):
+    with sweep_lock():
+        assert 0 < redis_client.pttl(redis_lock) <= locks.REDIS_LOCK_SECONDS * 1000
+
+
+@pytest.mark.django_db(transaction=True)
+def test_redis_lock_is_released_when_the_holder_raises(redis_lock, redis_client):
+    free_while_held = []
+
+    with pytest.raises(ZeroDivisionError):
+        hold_and_fail(free_while_held)
+
+    assert free_while_held == [False]
+    assert not redis_client.exists(redis_lock)
+    assert lock_is_free_elsewhere()
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_redis_lock_does_not_touch_the_advisory_lock(redis_lock):
+    with sweep_lock():
+        assert advisory_locks_held() == 0
