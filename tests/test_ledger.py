@@ -1,0 +1,550 @@
+"""The in-flight ledger against a real Redis: its Lua scripts, its fence, and how it reads entries back."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import threading
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from django.conf import settings as django_settings
+from kombu import Connection, Message
+
+from celery_orphans.actions import ALL_RETRIES
+from celery_orphans.ledger import (
+    ENTRY_VERSION,
+    HEADER,
+    Delivery,
+    Entry,
+    Ledger,
+    delivery_from_message,
+    recovery_attempt,
+)
+from celery_orphans.store import Keys, client
+
+TTL = 3600
+
+
+@pytest.fixture
+def ledger(redis_client: redis.Redis) -> Ledger:
+    return Ledger(client(), Keys.current())
+
+
+def delivery(*, retries: int = 0, attempt: int | None = None, body: str = '[[1], {"x": 2}, {}]') -> Delivery:
+    headers: dict[str, Any] = {"id": "t", "task": "demoapp.work", "retries": retries}
+    if attempt is not None:
+        headers[HEADER] = {"attempt": attempt, "evidence": "no_reply_no_lease"}
+    return Delivery(
+        body=body,
+        body_encoding="utf-8",
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers=headers,
+        properties={"correlation_id": "t", "priority": 0},
+        exchange="",
+        routing_key="celery",
+        delivery_tag="7",
+    )
+
+
+def entry(task_id: str, *, recorded_at: float = 1000.0, token: str | None = None, **kwargs: Any) -> Entry:
+    return Entry(
+        task_id=task_id,
+        task_name="demoapp.work",
+        node="celery@host",
+        boot="boot-a",
+        recorded_at=recorded_at,
+        delivery=delivery(**kwargs),
+        token=token if token is not None else uuid.uuid4().hex,
+    )
+
+
+def claim(
+    ledger: Ledger, task_id: str, mode: str, *, token: str = "", attempts: int = 0, retries: int = 0
+) -> Any:
+    return ledger.claim(task_id, token=token, attempts=attempts, retries=retries, ttl=TTL, mode=mode)
+
+
+def inflight(ledger: Ledger) -> set[str]:
+    return set(ledger.older_than(float("inf")))
+
+
+# --- admit, load, release -------------------------------------------------------------------------
+
+
+def test_admit_records_the_entry_and_indexes_it_as_in_flight(ledger: Ledger) -> None:
+    e = entry("t")
+
+    assert ledger.admit(e) is True
+
+    assert ledger.load(["t"]) == {"t": e}
+    assert ledger.load(["t"])["t"].token == e.token  # type: ignore[union-attr]
+    assert inflight(ledger) == {"t"}
+    assert ledger.count() == 1
+
+
+def test_load_answers_none_for_a_task_without_an_entry(ledger: Ledger) -> None:
+    ledger.admit(entry("t"))
+
+    assert ledger.load(["t", "absent"])["absent"] is None
+    assert ledger.load([]) == {}
+
+
+def test_an_entry_round_trips_every_field_of_the_delivery(ledger: Ledger) -> None:
+    d = dataclasses.replace(
+        delivery(retries=2, attempt=1),
+        body=base64.b64encode(b"\x00\xff binary").decode(),
+        body_encoding="base64",
+        headers={"retries": 2, "nested": {"list": [1, "two", None]}, HEADER: {"attempt": 1}},
+        delivery_tag=None,
+    )
+    e = dataclasses.replace(entry("t"), delivery=d, recorded_at=1234.5678)
+    ledger.admit(e)
+
+    loaded = ledger.load(["t"])["t"]
+
+    assert loaded == e
+    assert isinstance(loaded, Entry)
+    assert loaded.delivery.raw_body() == b"\x00\xff binary"
+
+
+def test_release_with_the_writing_token_removes_the_entry_and_its_index(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+
+    assert ledger.release("t", e.token) is True
+
+    assert ledger.load(["t"]) == {"t": None}
+    assert inflight(ledger) == set()
+
+
+def test_release_with_another_token_removes_nothing(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+
+    assert ledger.release("t", "not-the-token") is False
+    assert ledger.release("t", "") is False
+
+    assert ledger.load(["t"]) == {"t": e}
+    assert inflight(ledger) == {"t"}
+
+
+def test_a_newer_execution_survives_the_release_of_an_older_one(ledger: Ledger) -> None:
+    older, newer = entry("t"), entry("t", recorded_at=2000.0)
+    ledger.admit(older)
+    ledger.admit(newer)  # the same task delivered again, e.g. restored by the transport
+
+    assert ledger.release("t", older.token) is False
+
+    assert ledger.load(["t"]) == {"t": newer}
+    assert inflight(ledger) == {"t"}
+
+
+def test_releasing_an_absent_entry_is_a_no_op(ledger: Ledger) -> None:
+    assert ledger.release("absent", "token") is False
+
+
+def test_older_than_lists_only_entries_recorded_before_the_cutoff(ledger: Ledger) -> None:
+    for task_id, at in [("a", 100.0), ("b", 200.0), ("c", 300.0)]:
+        ledger.admit(entry(task_id, recorded_at=at))
+
+    assert sorted(ledger.older_than(250.0)) == ["a", "b"]
+    assert ledger.older_than(99.0) == []
+    assert sorted(ledger.older_than(1e12)) == ["a", "b", "c"]
+
+
+def test_older_than_forgets_a_released_entry(ledger: Ledger) -> None:
+    e = entry("a", recorded_at=100.0)
+    ledger.admit(e)
+    ledger.release("a", e.token)
+
+    assert ledger.older_than(1e12) == []
+
+
+def test_older_than_uses_the_latest_admission(ledger: Ledger) -> None:
+    ledger.admit(entry("a", recorded_at=100.0))
+    ledger.admit(entry("a", recorded_at=500.0))
+
+    assert ledger.older_than(250.0) == []
+
+
+# --- load: unreadable entries ---------------------------------------------------------------------
+
+
+_DROP = object()
+
+
+def _raw_entry(**changes: Any) -> str:
+    """A stored entry's JSON with fields changed, or left out when set to ``_DROP``."""
+    data = json.loads(entry("t").to_json())
+    data.update(changes)
+    return json.dumps({k: v for k, v in data.items() if v is not _DROP})
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        pytest.param("{not json", "unreadable ledger entry", id="not-json"),
+        pytest.param(b"\xff\xfe", "unreadable ledger entry", id="not-utf8"),
+        pytest.param("[1, 2]", "of a known version", id="not-an-object"),
+        pytest.param(_raw_entry(version=ENTRY_VERSION + 1), "of a known version", id="newer-version"),
+        pytest.param(_raw_entry(version=_DROP), "of a known version", id="no-version"),
+        pytest.param(_raw_entry(delivery=_DROP), "unreadable ledger entry", id="no-delivery"),
+        pytest.param(_raw_entry(delivery="x"), "ledger entry has no delivery", id="delivery-not-an-object"),
+        pytest.param(_raw_entry(delivery={"body": "x"}), "unreadable ledger entry", id="delivery-incomplete"),
+        pytest.param(_raw_entry(surprise=1), "unreadable ledger entry", id="unknown-field"),
+        pytest.param(_raw_entry(task_id=_DROP), "unreadable ledger entry", id="no-task-id"),
+        pytest.param(_raw_entry(task_id="other"), "ledger entry names another task id", id="another-task-id"),
+        pytest.param(
+            _raw_entry(recorded_at={"__type__": "nonsense", "__value__": 1}),
+            "unreadable ledger entry",
+            id="unknown-kombu-type-marker",
+        ),
+        pytest.param(
+            _raw_entry(recorded_at={"__type__": "bytes", "__value__": 5}),
+            "unreadable ledger entry",
+            id="malformed-kombu-bytes-marker",
+            marks=pytest.mark.xfail(
+                strict=True, raises=AttributeError, reason="Ledger.load lets kombu's AttributeError escape"
+            ),
+        ),
+        pytest.param(
+            _raw_entry(recorded_at={"__type__": "decimal", "__value__": "x"}),
+            "unreadable ledger entry",
+            id="malformed-kombu-decimal-marker",
+            marks=pytest.mark.xfail(
+                strict=True, raises=ArithmeticError, reason="Ledger.load lets decimal.InvalidOperation escape"
+            ),
+        ),
+    ],
+)
+def test_load_reports_an_unreadable_entry_instead_of_raising(
+    ledger: Ledger, redis_client: redis.Redis, raw: str | bytes, message: str
+) -> None:
+    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": raw})
+    ledger.admit(entry("good"))
+
+    found = ledger.load(["t", "good"])
+
+    assert isinstance(found["t"], str)
+    assert message in found["t"]
+    assert isinstance(found["good"], Entry)  # one bad entry does not hide the others
+
+
+# --- claim and the fence --------------------------------------------------------------------------
+
+
+def test_attempts_are_zero_before_any_recovery(ledger: Ledger) -> None:
+    ledger.admit(entry("t"))
+
+    assert ledger.attempts(["t", "never-seen"]) == {"t": 0, "never-seen": 0}
+    assert ledger.attempts([]) == {}
+
+
+def test_a_recover_claim_counts_the_attempt_and_keeps_the_entry_until_the_resend_is_out(
+    ledger: Ledger,
+) -> None:
+    e = entry("t", retries=2)
+    ledger.admit(e)
+
+    assert claim(ledger, "t", "recover", token=e.token, attempts=0, retries=2) == 1
+    assert ledger.attempts(["t"]) == {"t": 1}
+    assert ledger.load(["t"]) == {"t": e}  # released by the caller once the message is published
+    assert inflight(ledger) == {"t"}
+
+    again = entry("t", retries=2, attempt=1)
+    ledger.admit(again)
+    assert claim(ledger, "t", "recover", token=again.token, attempts=1, retries=2) == 2
+    assert ledger.attempts(["t"]) == {"t": 2}
+
+
+def test_a_claim_is_refused_when_the_entry_was_replaced(ledger: Ledger) -> None:
+    observed, replaced = entry("t"), entry("t")
+    ledger.admit(observed)
+    ledger.admit(replaced)  # a worker picked the task up after the sweep looked
+
+    for mode in ("recover", "terminal", "forget"):
+        assert claim(ledger, "t", mode, token=observed.token) is None
+
+    assert ledger.attempts(["t"]) == {"t": 0}
+    assert ledger.load(["t"]) == {"t": replaced}
+
+
+def test_a_claim_is_refused_when_the_entry_appeared_or_vanished(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    assert claim(ledger, "t", "terminal", token="") is None  # observed absent, now present
+
+    ledger.release("t", e.token)
+    assert claim(ledger, "t", "recover", token=e.token) is None  # observed present, now gone
+    assert ledger.attempts(["t"]) == {"t": 0}
+
+
+def test_a_claim_is_refused_when_the_attempt_count_moved(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
+
+    for mode in ("recover", "terminal", "forget"):
+        assert claim(ledger, "t", mode, token=e.token, attempts=0) is None
+
+    assert ledger.attempts(["t"]) == {"t": 1}
+    assert ledger.load(["t"]) == {"t": e}
+
+
+def test_of_concurrent_claims_on_one_observation_exactly_one_wins(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    contenders = 8
+    barrier = threading.Barrier(contenders)
+    results: list[int | None] = []
+    lock = threading.Lock()
+
+    def contend() -> None:
+        barrier.wait()
+        result = ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=TTL, mode="recover")
+        with lock:
+            results.append(result)
+
+    threads = [threading.Thread(target=contend) for _ in range(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+
+    assert sorted(results, key=lambda r: r is not None) == [None] * (contenders - 1) + [1]
+    assert ledger.attempts(["t"]) == {"t": 1}
+
+
+@pytest.mark.parametrize("mode", ["recover", "terminal"])
+def test_a_claim_that_raises_the_fence_gives_it_the_requested_ttl(
+    ledger: Ledger, redis_client: redis.Redis, mode: str
+) -> None:
+    e = entry("t")
+    ledger.admit(e)
+
+    ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=1234, mode=mode)
+
+    assert 1233 <= redis_client.ttl(ledger.keys.fence("t")) <= 1234
+
+
+def test_a_recover_claim_fences_off_older_copies_of_the_same_retry(ledger: Ledger) -> None:
+    e = entry("t", retries=1)
+    ledger.admit(e)
+    claim(ledger, "t", "recover", token=e.token, retries=1)
+    claim(ledger, "t", "recover", token=e.token, attempts=1, retries=1)  # recovered twice: n = 2
+
+    assert ledger.admit(entry("t", retries=1)) is False  # the caller's original message
+    assert ledger.admit(entry("t", retries=1, attempt=1)) is False  # the first recovery's message
+    assert ledger.admit(entry("t", retries=0, attempt=2)) is False  # an earlier retry, however recovered
+    assert ledger.admit(entry("t", retries=1, attempt=2)) is True  # the current recovery
+    assert ledger.admit(entry("t", retries=1, attempt=3)) is True
+    assert ledger.admit(entry("t", retries=2)) is True  # the task retried itself since: a new message
+
+
+def test_a_refused_copy_leaves_the_current_entry_alone(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    claim(ledger, "t", "recover", token=e.token)
+    current = entry("t", attempt=1)
+    ledger.admit(current)
+
+    assert ledger.admit(entry("t")) is False
+
+    assert ledger.load(["t"]) == {"t": current}
+
+
+def test_a_terminal_claim_removes_the_entry_and_fences_off_every_copy(ledger: Ledger) -> None:
+    e = entry("t", retries=3)
+    ledger.admit(e)
+
+    assert claim(ledger, "t", "terminal", token=e.token, retries=ALL_RETRIES) == 0
+
+    assert ledger.load(["t"]) == {"t": None}
+    assert inflight(ledger) == set()
+    for retries, attempt in [
+        (0, None),
+        (3, None),
+        (3, 5),
+        (4, None),
+        (1000, 0),
+        (ALL_RETRIES - 1, 9),
+        (ALL_RETRIES, 9),
+    ]:
+        assert ledger.admit(entry("t", retries=retries, attempt=attempt)) is False, (retries, attempt)
+    assert ledger.load(["t"]) == {"t": None}
+
+
+def test_a_terminal_claim_keeps_the_recovery_count(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    claim(ledger, "t", "recover", token=e.token)
+
+    assert claim(ledger, "t", "terminal", token=e.token, attempts=1, retries=ALL_RETRIES) == 1
+    assert ledger.attempts(["t"]) == {"t": 1}
+
+
+def test_a_terminal_claim_works_for_a_task_with_no_entry(ledger: Ledger) -> None:
+    # A STARTED row without a ledger entry: the sweep observed no token.
+    assert claim(ledger, "t", "terminal", token="", retries=ALL_RETRIES) == 0
+
+    assert ledger.admit(entry("t")) is False
+
+
+def test_a_forget_claim_removes_the_entry_and_raises_no_fence(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    e = entry("t", retries=2)
+    ledger.admit(e)
+
+    assert claim(ledger, "t", "forget", token=e.token, retries=ALL_RETRIES) == 0
+
+    assert ledger.load(["t"]) == {"t": None}
+    assert inflight(ledger) == set()
+    assert redis_client.exists(ledger.keys.fence("t")) == 0
+    assert ledger.admit(entry("t", retries=2)) is True
+
+
+def test_a_forget_claim_leaves_an_existing_fence_as_it_was(ledger: Ledger, redis_client: redis.Redis) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    claim(ledger, "t", "recover", token=e.token)
+    fence = redis_client.hgetall(ledger.keys.fence("t"))
+
+    assert claim(ledger, "t", "forget", token=e.token, attempts=1, retries=ALL_RETRIES) == 1
+
+    assert redis_client.hgetall(ledger.keys.fence("t")) == fence
+    assert ledger.admit(entry("t")) is False  # still fenced against the pre-recovery copy
+
+
+def test_keys_live_under_the_configured_prefix(redis_client: redis.Redis, settings: Any) -> None:
+    settings.CELERY_ORPHANS_KEY_PREFIX = "other_prefix"
+    ledger = Ledger(client(), Keys.current())
+    e = entry("t")
+    ledger.admit(e)
+    claim(ledger, "t", "recover", token=e.token)
+
+    keys = {k.decode() for k in redis_client.keys("*")}
+
+    assert keys == {"other_prefix:entry:t", "other_prefix:inflight", "other_prefix:fence:t"}
+
+
+# --- the delivery ---------------------------------------------------------------------------------
+
+
+def test_a_bytes_body_is_kept_as_base64_and_restored_exactly() -> None:
+    raw = bytes(range(256))
+    message = Message(body=raw, content_type="application/x-binary", content_encoding="binary")
+
+    d = delivery_from_message(message)
+
+    assert d.body_encoding == "base64"
+    assert d.body == base64.b64encode(raw).decode()
+    assert d.raw_body() == raw
+
+
+def test_a_text_body_is_kept_as_text_and_restored_exactly() -> None:
+    raw = '[["é", 1], {}, {"callbacks": null}]'
+    message = Message(body=raw, content_type="application/json", content_encoding="utf-8")
+
+    d = delivery_from_message(message)
+
+    assert d.body_encoding == "utf-8"
+    assert d.body == raw
+    assert d.raw_body() == raw
+
+
+def test_a_delivery_keeps_what_publishing_again_needs() -> None:
+    headers = {"id": "t", "task": "demoapp.work", "retries": 1}
+    message = Message(
+        body=b"{}",
+        delivery_tag=42,
+        content_type="application/json",
+        content_encoding="utf-8",
+        delivery_info={"exchange": "tasks", "routing_key": "high"},
+        properties={"correlation_id": "t", "reply_to": "r", "priority": 3, "delivery_mode": 2, "other": "x"},
+        headers=headers,
+    )
+
+    d = delivery_from_message(message)
+
+    assert d.headers == headers
+    assert d.headers is not message.headers
+    assert d.properties == {"correlation_id": "t", "reply_to": "r", "priority": 3, "delivery_mode": 2}
+    assert (d.exchange, d.routing_key, d.delivery_tag) == ("tasks", "high", "42")
+    assert (d.content_type, d.content_encoding) == ("application/json", "utf-8")
+    assert d.retries == 1
+
+
+def test_a_delivery_of_a_sparse_message_has_blank_fields_not_none() -> None:
+    d = delivery_from_message(Message(body=b""))
+
+    assert d.properties == {}
+    assert (d.exchange, d.routing_key, d.delivery_tag, d.content_type, d.content_encoding) == (
+        "",
+        "",
+        None,
+        "",
+        "",
+    )
+    assert d.headers == {}
+    assert d.retries == 0
+    assert d.attempt == 0
+
+
+def test_a_delivery_from_a_real_redis_queue_round_trips_its_body(redis_client: redis.Redis) -> None:
+    with Connection(django_settings.REDIS_URL) as conn:
+        queue = conn.SimpleQueue("celery-orphans-test-ledger")
+        try:
+            queue.put({"args": [1, "é"]}, serializer="json", headers={"retries": 4})
+            message = queue.get(timeout=5)
+            d = delivery_from_message(message)
+            message.ack()
+        finally:
+            queue.close()
+
+    assert d.raw_body() == message.body
+    assert d.retries == 4
+    assert d.routing_key == "celery-orphans-test-ledger"
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        pytest.param(None, 0, id="no-headers"),
+        pytest.param({}, 0, id="empty"),
+        pytest.param({HEADER: {"attempt": 2}}, 2, id="attempt-2"),
+        pytest.param({HEADER: {}}, 0, id="meta-without-attempt"),
+        pytest.param({HEADER: None}, 0, id="meta-none"),
+        pytest.param({HEADER: "2"}, 0, id="meta-a-string"),
+        pytest.param({HEADER: [2]}, 0, id="meta-a-list"),
+        pytest.param({HEADER: 2}, 0, id="meta-an-int"),
+        pytest.param({HEADER: True}, 0, id="meta-a-bool"),
+        pytest.param({HEADER: {"attempt": True}}, 0, id="attempt-a-bool"),
+        pytest.param({HEADER: {"attempt": "2"}}, 0, id="attempt-a-string"),
+        pytest.param({HEADER: {"attempt": 2.0}}, 0, id="attempt-a-float"),
+        pytest.param({HEADER: {"attempt": None}}, 0, id="attempt-none"),
+    ],
+)
+def test_recovery_attempt_reads_only_a_well_formed_header(
+    headers: dict[str, Any] | None, expected: int
+) -> None:
+    assert recovery_attempt(headers) == expected
+
+
+@pytest.mark.parametrize(
+    ("retries", "expected"),
+    [
+        pytest.param(3, 3, id="int"),
+        pytest.param(None, 0, id="none"),
+        pytest.param("3", 0, id="string"),
+    ],
+)
+def test_delivery_retries_reads_only_an_integer(retries: object, expected: int) -> None:
+    d = dataclasses.replace(delivery(), headers={"retries": retries})
+
+    assert d.retries == expected

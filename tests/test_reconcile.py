@@ -1,0 +1,644 @@
+"""The pure decision core: every branch of ``decide`` and ``judge``, with no database and no Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from celery_orphans.reconcile import (
+    ORPHAN_EVIDENCE,
+    READY_STATES,
+    SAFE_CONTENT_TYPES,
+    Action,
+    Candidate,
+    Decision,
+    Evidence,
+    Policy,
+    Reason,
+    WorkerView,
+    after_pool_loss,
+    decide,
+    defer_excess,
+    judge,
+)
+
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
+GRACE = timedelta(seconds=10)
+OLD = NOW - timedelta(minutes=5)  # well outside the grace period
+TASK = "t-1"
+NODE = "celery@host"
+BOOT = "boot-a"
+
+SILENT = WorkerView(replied=False)
+ANSWERED_EMPTY = WorkerView(replied=True)
+HOLDS = WorkerView(replied=True, held=frozenset({TASK}))
+AT_BOOT_EMPTY = WorkerView(replied=True, at_boot=True, fresh_boots=frozenset({BOOT}))
+AT_BOOT_HOLDS = WorkerView(replied=True, held=frozenset({TASK}), at_boot=True)
+
+
+def candidate(**overrides: Any) -> Candidate:
+    """A recoverable JSON task with a ledger entry, started long ago, never recovered: recover if orphaned."""
+    fields: dict[str, Any] = {
+        "content_type": "application/json",
+        "task_id": TASK,
+        "task_name": "demoapp.work",
+        "worker": NODE,
+        "boot": BOOT,
+        "started_at": OLD,
+        "row_status": "STARTED",
+        "has_entry": True,
+        "recoverable": True,
+    }
+    return Candidate(**{**fields, **overrides})
+
+
+def policy(**overrides: Any) -> Policy:
+    fields: dict[str, Any] = {"now": NOW, "grace": GRACE, "max_attempts": 3, "groups": {}}
+    return Policy(**{**fields, **overrides})
+
+
+# --- judge: alive or gone -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("boot", "view", "expected"),
+    [
+        pytest.param(BOOT, HOLDS, Evidence.WORKER_HOLDS_TASK, id="replied-and-holds-the-task"),
+        pytest.param(
+            BOOT,
+            WorkerView(replied=True, held=frozenset({"other"}), fresh_boots=frozenset({BOOT})),
+            Evidence.WORKER_ANSWERED_WITHOUT_TASK,
+            id="replied-without-it-even-with-a-fresh-lease",
+        ),
+        pytest.param(
+            None, ANSWERED_EMPTY, Evidence.WORKER_ANSWERED_WITHOUT_TASK, id="replied-without-it-no-boot"
+        ),
+        pytest.param(BOOT, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="own-next-boot-lacks-it"),
+        pytest.param(None, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="own-next-boot-lacks-it-no-boot"),
+        pytest.param(BOOT, AT_BOOT_HOLDS, Evidence.WORKER_HOLDS_TASK, id="own-next-boot-holds-it"),
+        pytest.param(
+            BOOT,
+            WorkerView(replied=False, fresh_boots=frozenset({BOOT})),
+            Evidence.NO_REPLY_LEASE_FRESH,
+            id="silent-own-boot-fresh",
+        ),
+        pytest.param(
+            BOOT,
+            WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
+            Evidence.NO_REPLY_LEASE_LAPSED,
+            id="silent-own-boot-lapsed-other-boot-of-same-name-fresh",
+        ),
+        pytest.param(BOOT, SILENT, Evidence.NO_REPLY_LEASE_LAPSED, id="silent-own-boot-lapsed-no-leases"),
+        pytest.param(
+            None,
+            WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
+            Evidence.NO_REPLY_LEASE_FRESH,
+            id="silent-no-boot-any-fresh-lease-under-the-node",
+        ),
+        pytest.param(None, SILENT, Evidence.NO_REPLY_NO_LEASE, id="silent-no-boot-no-lease"),
+    ],
+)
+def test_judge_reads_the_reply_first_and_the_lease_when_silent(
+    boot: str | None, view: WorkerView, expected: Evidence
+) -> None:
+    assert judge(candidate(boot=boot), view) is expected
+
+
+def test_a_held_id_of_another_task_is_not_this_task_held() -> None:
+    view = WorkerView(replied=True, held=frozenset({TASK}))
+    assert judge(candidate(task_id="t-2"), view) is Evidence.WORKER_ANSWERED_WITHOUT_TASK
+
+
+# --- decide: cases that cannot be judged ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason", "detail_part"),
+    [
+        pytest.param({"problem": "unreadable ledger entry: boom"}, Reason.UNREADABLE, "boom", id="problem"),
+        pytest.param(
+            # the problem outranks every other gap in the record
+            {"problem": "bad row", "worker": None, "task_name": None, "started_at": None},
+            Reason.UNREADABLE,
+            "bad row",
+            id="problem-before-anything-else",
+        ),
+        pytest.param({"worker": None}, Reason.NO_WORKER, "no worker", id="no-worker"),
+        pytest.param({"worker": ""}, Reason.NO_WORKER, "no worker", id="blank-worker"),
+        pytest.param({"task_name": None}, Reason.UNKNOWN_TASK, "(no name)", id="no-task-name"),
+        pytest.param({"task_name": ""}, Reason.UNKNOWN_TASK, "(no name)", id="blank-task-name"),
+        pytest.param({"task_known": False}, Reason.UNKNOWN_TASK, "'demoapp.work'", id="unregistered-task"),
+        pytest.param({"started_at": None}, Reason.UNREADABLE, "no start time", id="no-start-time"),
+    ],
+)
+def test_records_that_cannot_be_judged_are_reported_and_left_untouched(
+    overrides: dict[str, Any], reason: Reason, detail_part: str
+) -> None:
+    # A silent worker with no lease would make the task an orphan, were it judged at all.
+    decision = decide(candidate(**overrides), SILENT, policy())
+
+    assert decision.action is Action.REPORT
+    assert decision.reason is reason
+    assert detail_part in decision.detail
+    assert decision.evidence is Evidence.NONE
+    assert not decision.orphaned
+
+
+# --- decide: grace --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "started_at",
+    [
+        pytest.param(NOW - GRACE + timedelta(microseconds=1), id="one-microsecond-inside"),
+        pytest.param(NOW, id="just-now"),
+        pytest.param(NOW + timedelta(hours=1), id="in-the-future"),
+    ],
+)
+def test_a_task_started_within_the_grace_period_is_left_alone(started_at: datetime) -> None:
+    decision = decide(candidate(started_at=started_at), SILENT, policy())
+
+    assert decision == Decision(TASK, Action.LEAVE, Reason.IN_GRACE)
+
+
+def test_a_task_exactly_as_old_as_the_grace_period_is_judged() -> None:
+    decision = decide(candidate(started_at=NOW - GRACE), SILENT, policy())
+
+    assert decision.action is Action.RECOVER
+    assert decision.evidence is Evidence.NO_REPLY_LEASE_LAPSED
+
+
+def test_zero_grace_judges_a_task_started_this_instant() -> None:
+    decision = decide(candidate(started_at=NOW), SILENT, policy(grace=timedelta(0)))
+
+    assert decision.action is Action.RECOVER
+
+
+# --- decide: alive --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("boot", "view", "evidence"),
+    [
+        pytest.param(BOOT, HOLDS, Evidence.WORKER_HOLDS_TASK, id="worker-holds-task"),
+        pytest.param(
+            BOOT,
+            WorkerView(replied=False, fresh_boots=frozenset({BOOT})),
+            Evidence.NO_REPLY_LEASE_FRESH,
+            id="silent-but-own-lease-fresh",
+        ),
+        pytest.param(
+            None,
+            WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
+            Evidence.NO_REPLY_LEASE_FRESH,
+            id="silent-no-boot-but-a-lease-under-the-node",
+        ),
+    ],
+)
+def test_a_task_whose_owner_may_be_alive_is_left_alone(
+    boot: str | None, view: WorkerView, evidence: Evidence
+) -> None:
+    decision = decide(candidate(boot=boot), view, policy())
+
+    assert decision == Decision(TASK, Action.LEAVE, Reason.ALIVE, evidence)
+    assert not decision.orphaned
+
+
+def test_a_missing_worker_view_counts_as_no_reply() -> None:
+    with_entry = decide(candidate(), None, policy())
+    without_entry = decide(candidate(boot=None, has_entry=False), None, policy())
+
+    assert with_entry.evidence is Evidence.NO_REPLY_LEASE_LAPSED
+    assert with_entry.action is Action.RECOVER
+    assert without_entry.evidence is Evidence.NO_REPLY_NO_LEASE
+    assert without_entry.action is Action.MARK_TERMINAL
+
+
+# --- decide: orphans ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", sorted(READY_STATES))
+def test_an_orphan_whose_row_already_finished_is_forgotten(status: str) -> None:
+    decision = decide(candidate(row_status=status, attempts=1), ANSWERED_EMPTY, policy())
+
+    assert decision.action is Action.FORGET
+    assert decision.reason is Reason.ALREADY_FINISHED
+    assert decision.evidence is Evidence.WORKER_ANSWERED_WITHOUT_TASK
+    assert status in decision.detail
+    assert decision.attempt == 1
+
+
+def test_a_finished_row_is_forgotten_even_when_it_could_not_be_recovered() -> None:
+    decision = decide(
+        candidate(row_status="SUCCESS", recoverable=False, has_entry=False, attempts=99), SILENT, policy()
+    )
+
+    assert decision.action is Action.FORGET
+
+
+@pytest.mark.parametrize(
+    ("overrides", "policy_overrides", "reason", "detail_part"),
+    [
+        pytest.param(
+            {"recoverable": False},
+            {},
+            Reason.NOT_RECOVERABLE,
+            "not marked @recoverable",
+            id="not-recoverable",
+        ),
+        pytest.param(
+            {"group": "reports"},
+            {"groups": {"reports": False}},
+            Reason.GROUP_DISABLED,
+            "'reports'",
+            id="group-switched-off",
+        ),
+        pytest.param(
+            {"has_entry": False, "boot": None}, {}, Reason.NO_LEDGER_ENTRY, "no ledger entry", id="no-entry"
+        ),
+        pytest.param({"attempts": 3}, {}, Reason.LIMIT_REACHED, "3 of 3", id="policy-cap-reached"),
+        pytest.param({"attempts": 7}, {}, Reason.LIMIT_REACHED, "7 of 3", id="policy-cap-exceeded"),
+        pytest.param(
+            {"attempts": 1, "max_attempts": 1}, {}, Reason.LIMIT_REACHED, "1 of 1", id="own-lower-cap-wins"
+        ),
+        pytest.param(
+            {"attempts": 5, "max_attempts": 5},
+            {"max_attempts": 10},
+            Reason.LIMIT_REACHED,
+            "5 of 5",
+            id="own-lower-cap-wins-over-higher-policy",
+        ),
+    ],
+)
+def test_an_orphan_that_cannot_be_recovered_is_marked_terminal(
+    overrides: dict[str, Any], policy_overrides: dict[str, Any], reason: Reason, detail_part: str
+) -> None:
+    c = candidate(**overrides)
+    decision = decide(c, SILENT, policy(**policy_overrides))
+
+    assert decision.action is Action.MARK_TERMINAL
+    assert decision.reason is reason
+    assert detail_part in decision.detail
+    assert decision.evidence in ORPHAN_EVIDENCE
+    assert decision.attempt == c.attempts
+
+
+def test_the_first_failed_condition_names_the_reason() -> None:
+    # Fix the failures one by one, in the order they are checked: each fix reveals the next reason.
+    fixes: list[tuple[dict[str, Any], Reason]] = [
+        ({"row_status": "STARTED"}, Reason.ALREADY_FINISHED),
+        ({"recoverable": True}, Reason.NOT_RECOVERABLE),
+        ({"group": "reports"}, Reason.GROUP_DISABLED),
+        ({"has_entry": True}, Reason.NO_LEDGER_ENTRY),
+        ({"content_type": "application/json"}, Reason.UNSAFE_MESSAGE),
+        ({"started_at": NOW - timedelta(minutes=1)}, Reason.TOO_OLD),
+        ({"attempts": 0}, Reason.LIMIT_REACHED),
+    ]
+    broken: dict[str, Any] = {
+        "row_status": "FAILURE",
+        "recoverable": False,
+        "group": "off",
+        "has_entry": False,
+        "content_type": None,
+        "started_at": OLD,
+        "attempts": 3,
+    }
+    p = policy(groups={"off": False}, max_age=timedelta(minutes=2))
+    for fix, reason in fixes:
+        assert decide(candidate(**broken), SILENT, p).reason is reason, fix
+        broken.update(fix)
+
+    assert decide(candidate(**broken), SILENT, p).action is Action.RECOVER
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        pytest.param(None, id="none"),
+        pytest.param("", id="blank"),
+        pytest.param("application/x-python-serialize", id="pickle"),
+        pytest.param("text/plain", id="unlisted"),
+        pytest.param("APPLICATION/JSON", id="case-differs"),
+    ],
+)
+def test_an_orphan_whose_message_is_not_plain_data_is_never_sent_again(content_type: str | None) -> None:
+    decision = decide(candidate(content_type=content_type), SILENT, policy())
+
+    assert decision.action is Action.MARK_TERMINAL
+    assert decision.reason is Reason.UNSAFE_MESSAGE
+    assert (content_type or "untyped") in decision.detail
+
+
+@pytest.mark.parametrize("content_type", sorted(SAFE_CONTENT_TYPES))
+def test_an_orphan_whose_message_is_plain_data_is_recovered(content_type: str) -> None:
+    decision = decide(candidate(content_type=content_type), SILENT, policy())
+
+    assert decision.action is Action.RECOVER
+
+
+def test_an_orphan_older_than_the_age_limit_is_marked_terminal() -> None:
+    decision = decide(candidate(started_at=OLD), SILENT, policy(max_age=timedelta(minutes=4)))
+
+    assert decision.action is Action.MARK_TERMINAL
+    assert decision.reason is Reason.TOO_OLD
+    assert "0:04:00" in decision.detail
+
+
+@pytest.mark.parametrize(
+    "max_age",
+    [
+        pytest.param(None, id="no-limit"),
+        pytest.param(timedelta(minutes=5), id="exactly-as-old-as-the-limit"),
+        pytest.param(timedelta(days=1), id="younger-than-the-limit"),
+    ],
+)
+def test_an_orphan_within_the_age_limit_is_recovered(max_age: timedelta | None) -> None:
+    decision = decide(candidate(started_at=OLD), SILENT, policy(max_age=max_age))
+
+    assert decision.action is Action.RECOVER
+
+
+@pytest.mark.parametrize(
+    ("overrides", "policy_overrides"),
+    [
+        pytest.param({"group": "reports"}, {"groups": {"reports": True}}, id="group-switched-on"),
+        pytest.param(
+            {"group": "reports"}, {"groups": {"other": False}}, id="group-missing-from-mapping-is-on"
+        ),
+        pytest.param({"group": None}, {"groups": {"reports": False}}, id="no-group"),
+        pytest.param({"attempts": 2}, {}, id="one-below-policy-cap"),
+        pytest.param({"attempts": 3, "max_attempts": 5}, {}, id="own-higher-cap-wins"),
+        pytest.param({"attempts": 4, "max_attempts": 5}, {"max_attempts": 1}, id="own-cap-over-lower-policy"),
+    ],
+)
+def test_an_orphan_within_its_limits_is_recovered(
+    overrides: dict[str, Any], policy_overrides: dict[str, Any]
+) -> None:
+    c = candidate(**overrides)
+    p = policy(**policy_overrides)
+    decision = decide(c, SILENT, p)
+
+    cap = c.max_attempts or p.max_attempts
+    assert decision == Decision(
+        TASK,
+        Action.RECOVER,
+        Reason.RECOVERABLE,
+        Evidence.NO_REPLY_LEASE_LAPSED,
+        f"recovery {c.attempts + 1} of {cap}",
+        c.attempts + 1,
+    )
+    assert decision.orphaned
+
+
+@pytest.mark.parametrize(
+    ("boot", "view", "evidence"),
+    [
+        pytest.param(BOOT, ANSWERED_EMPTY, Evidence.WORKER_ANSWERED_WITHOUT_TASK, id="answered-without-it"),
+        pytest.param(BOOT, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="its-own-next-boot-lacks-it"),
+        pytest.param(
+            BOOT,
+            WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
+            Evidence.NO_REPLY_LEASE_LAPSED,
+            id="own-boot-lapsed-while-a-new-boot-runs",
+        ),
+        pytest.param(None, SILENT, Evidence.NO_REPLY_NO_LEASE, id="no-boot-no-lease"),
+    ],
+)
+def test_a_recovery_carries_the_evidence_that_proved_the_owner_gone(
+    boot: str | None, view: WorkerView, evidence: Evidence
+) -> None:
+    decision = decide(candidate(boot=boot), view, policy())
+
+    assert decision.action is Action.RECOVER
+    assert decision.evidence is evidence
+    assert decision.orphaned
+
+
+def test_a_row_without_a_ledger_entry_is_recovered_from_nothing_never() -> None:
+    # A row alone names no boot; if no lease lives under its node it is an orphan, but the message is gone.
+    decision = decide(candidate(boot=None, has_entry=False), SILENT, policy())
+
+    assert decision.action is Action.MARK_TERMINAL
+    assert decision.reason is Reason.NO_LEDGER_ENTRY
+    assert decision.evidence is Evidence.NO_REPLY_NO_LEASE
+
+
+# --- a lost pool process ---------------------------------------------------------------------------
+
+
+def test_a_task_whose_pool_process_died_is_recovered_at_once() -> None:
+    # The worker watched its pool process die, so neither grace nor liveness applies.
+    decision = after_pool_loss(candidate(started_at=NOW, attempts=1), policy())
+
+    assert decision == Decision(
+        TASK, Action.RECOVER, Reason.RECOVERABLE, Evidence.POOL_CHILD_LOST, "recovery 2 of 3", 2
+    )
+    assert decision.orphaned
+
+
+@pytest.mark.parametrize(
+    ("overrides", "action", "reason"),
+    [
+        pytest.param({"attempts": 3}, Action.MARK_TERMINAL, Reason.LIMIT_REACHED, id="cap-reached"),
+        pytest.param(
+            {"attempts": 1, "max_attempts": 1}, Action.MARK_TERMINAL, Reason.LIMIT_REACHED, id="own-cap"
+        ),
+        pytest.param({"group": "off"}, Action.MARK_TERMINAL, Reason.GROUP_DISABLED, id="group-off"),
+        pytest.param(
+            {"content_type": "application/x-python-serialize"},
+            Action.MARK_TERMINAL,
+            Reason.UNSAFE_MESSAGE,
+            id="pickle",
+        ),
+        pytest.param(
+            {"row_status": "SUCCESS"}, Action.FORGET, Reason.ALREADY_FINISHED, id="already-finished"
+        ),
+    ],
+)
+def test_a_pool_loss_obeys_the_same_limits_as_a_sweep(
+    overrides: dict[str, Any], action: Action, reason: Reason
+) -> None:
+    decision = after_pool_loss(candidate(**overrides), policy(groups={"off": False}))
+
+    assert (decision.action, decision.reason, decision.evidence) == (action, reason, Evidence.POOL_CHILD_LOST)
+
+
+# --- the per-sweep recovery limit -------------------------------------------------------------------
+
+
+def _recover(task_id: str) -> Decision:
+    return Decision(
+        task_id, Action.RECOVER, Reason.RECOVERABLE, Evidence.NO_REPLY_NO_LEASE, "recovery 1 of 3", 1
+    )
+
+
+def _other(task_id: str, action: Action) -> Decision:
+    return Decision(task_id, action, Reason.LIMIT_REACHED, Evidence.NO_REPLY_NO_LEASE, "", 3)
+
+
+def test_recoveries_over_the_per_sweep_limit_are_deferred_in_order() -> None:
+    decisions = [
+        _recover("a"),
+        _other("b", Action.MARK_TERMINAL),
+        _recover("c"),
+        _other("d", Action.FORGET),
+        _recover("e"),
+        _recover("f"),
+    ]
+
+    kept = defer_excess(decisions, 2)
+
+    assert [d.task_id for d in kept] == ["a", "b", "c", "d", "e", "f"]
+    assert kept[:4] == decisions[:4]  # other actions neither count nor change
+    for deferred in kept[4:]:
+        assert (deferred.action, deferred.reason) == (Action.LEAVE, Reason.DEFERRED)
+        assert deferred.evidence is Evidence.NO_REPLY_NO_LEASE
+        assert "limit of 2" in deferred.detail
+
+
+def test_a_zero_limit_defers_every_recovery_and_no_limit_none() -> None:
+    decisions = [_recover("a"), _other("b", Action.MARK_TERMINAL), _recover("c")]
+
+    assert [d.action for d in defer_excess(decisions, 0)] == [
+        Action.LEAVE,
+        Action.MARK_TERMINAL,
+        Action.LEAVE,
+    ]
+    assert defer_excess(decisions, None) == decisions
+    assert defer_excess(decisions, 2) == decisions
+    assert defer_excess([], 1) == []
+
+
+# --- invariants over every combination ------------------------------------------------------------
+
+
+VIEWS = [
+    HOLDS,
+    ANSWERED_EMPTY,
+    AT_BOOT_HOLDS,
+    AT_BOOT_EMPTY,
+    WorkerView(replied=False, fresh_boots=frozenset({BOOT})),
+    WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
+    SILENT,
+    None,
+]
+UNJUDGEABLE = [{"problem": "unreadable"}, {"worker": None}, {"task_name": None}, {"task_known": False}]
+YOUNG = [NOW - GRACE / 2, NOW, NOW + GRACE]
+ALIVE_EVIDENCE = {Evidence.WORKER_HOLDS_TASK, Evidence.NO_REPLY_LEASE_FRESH}
+CAP = 3
+INVARIANT_POLICIES = [
+    policy(max_attempts=CAP, groups={"on": True, "off": False}, max_age=max_age)
+    for max_age in (None, timedelta(minutes=1), NOW - OLD)
+]
+
+
+def test_no_combination_acts_on_a_record_it_cannot_judge_or_a_task_in_grace() -> None:
+    gates = [(record, OLD) for record in UNJUDGEABLE] + [({}, None)] + [({}, young) for young in YOUNG]
+    axes = itertools.product(gates, [BOOT, None], [None, "STARTED", "SUCCESS"], [True, False], VIEWS)
+    for (record, started), boot, status, entry, view in axes:
+        c = candidate(started_at=started, boot=boot, row_status=status, has_entry=entry, **record)
+        d = decide(c, view, INVARIANT_POLICIES[0])
+
+        if record or started is None:
+            assert d.action is Action.REPORT, (c, view, d)
+        else:
+            assert (d.action, d.reason) == (Action.LEAVE, Reason.IN_GRACE), (c, view, d)
+        assert d.evidence is Evidence.NONE, (c, view, d)
+
+
+def _check_judged(c: Candidate, view: WorkerView | None, p: Policy, d: Decision) -> None:
+    """What must hold of every decision on a readable task outside its grace period."""
+    assert c.started_at is not None
+    evidence = judge(c, view or SILENT)
+    cap = c.max_attempts or p.max_attempts
+    too_old = p.max_age is not None and c.started_at < p.now - p.max_age
+    recoverable_now = (
+        c.recoverable
+        and c.group != "off"
+        and c.has_entry
+        and c.content_type in SAFE_CONTENT_TYPES
+        and not too_old
+        and c.attempts < cap
+    )
+
+    assert d.task_id == c.task_id
+    assert d.evidence is evidence
+    assert d.orphaned is (evidence in ORPHAN_EVIDENCE)
+    if evidence in ALIVE_EVIDENCE:
+        assert (d.action, d.reason) == (Action.LEAVE, Reason.ALIVE)
+    if d.action in {Action.RECOVER, Action.MARK_TERMINAL, Action.FORGET}:
+        assert evidence in ORPHAN_EVIDENCE
+    if d.action is Action.RECOVER:
+        assert c.recoverable
+        assert c.has_entry
+        assert c.attempts < cap
+        assert c.group != "off"
+        assert c.content_type in SAFE_CONTENT_TYPES
+        assert not too_old
+        assert c.row_status not in READY_STATES
+        assert d.attempt == c.attempts + 1
+        assert d.attempt <= cap
+    if d.action is Action.FORGET:
+        assert c.row_status in READY_STATES
+    if evidence in ORPHAN_EVIDENCE and c.row_status not in READY_STATES:
+        assert d.action is (Action.RECOVER if recoverable_now else Action.MARK_TERMINAL)
+
+
+def test_every_judged_combination_keeps_the_safety_invariants() -> None:
+    axes = itertools.product(
+        [OLD, NOW - GRACE],  # started: long ago, or exactly at the end of the grace period
+        [BOOT, None],  # boot
+        [None, "STARTED", "SUCCESS", "REVOKED"],  # row_status
+        [True, False],  # has_entry
+        [True, False],  # recoverable
+        [None, "off", "unlisted"],  # group
+        [0, CAP - 1, CAP, CAP + 2],  # attempts
+        [None, 1, CAP + 2],  # the task's own cap
+        ["application/json", "application/x-python-serialize", None],  # content_type
+        INVARIANT_POLICIES,
+        VIEWS,
+    )
+    seen: set[tuple[Action, Reason]] = set()
+    for started, boot, status, entry, rec, group, attempts, own, ctype, p, view in axes:
+        c = candidate(
+            started_at=started,
+            boot=boot,
+            row_status=status,
+            has_entry=entry,
+            recoverable=rec,
+            group=group,
+            attempts=attempts,
+            max_attempts=own,
+            content_type=ctype,
+        )
+        d = decide(c, view, p)
+        seen.add((d.action, d.reason))
+        try:
+            _check_judged(c, view, p, d)
+        except AssertionError as exc:
+            raise AssertionError(f"{c}\n{view}\n{p}\n-> {d}") from exc
+
+    # Every outcome of a judgement was reached, so the invariants were not checked against nothing.
+    assert seen == {
+        (Action.LEAVE, Reason.ALIVE),
+        (Action.FORGET, Reason.ALREADY_FINISHED),
+        (Action.MARK_TERMINAL, Reason.NOT_RECOVERABLE),
+        (Action.MARK_TERMINAL, Reason.GROUP_DISABLED),
+        (Action.MARK_TERMINAL, Reason.NO_LEDGER_ENTRY),
+        (Action.MARK_TERMINAL, Reason.UNSAFE_MESSAGE),
+        (Action.MARK_TERMINAL, Reason.TOO_OLD),
+        (Action.MARK_TERMINAL, Reason.LIMIT_REACHED),
+        (Action.RECOVER, Reason.RECOVERABLE),
+    }
+
+
+def test_decisions_are_values() -> None:
+    decision = decide(candidate(), SILENT, policy())
+
+    assert decision == decide(candidate(), SILENT, policy())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.action = Action.LEAVE  # type: ignore[misc]
