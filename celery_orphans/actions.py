@@ -80,30 +80,14 @@ class Executor:
                 exc,
             )
             return dataclasses.replace(outcome, decision=decision, error=f"{type(exc).__name__}: {exc}")
-        logger.info(
-            "celery-orphans: %s %s[%s] from worker %s: %s (%s%s)",
-            _PAST[decision.action],
-            outcome.task_name,
-            decision.task_id,
-            outcome.worker or "?",
-            decision.reason.value,
-            decision.evidence.value or "no evidence needed",
-            f", attempt {decision.attempt}" if decision.action is Action.RECOVER else "",
-        )
-        return dataclasses.replace(outcome, decision=decision, done=True)
+        done = dataclasses.replace(outcome, decision=decision, done=True)
+        logger.info("celery-orphans: %s", describe(done))
+        return done
 
     def shadow(self, outcome: Outcome) -> Outcome:
         """Shadow mode: audit what would be done (once per task), change nothing else."""
         decision = outcome.decision
-        logger.info(
-            "celery-orphans: shadow mode: would have %s %s[%s] from worker %s: %s (%s)",
-            _PAST[decision.action],
-            outcome.task_name,
-            decision.task_id,
-            outcome.worker or "?",
-            decision.reason.value,
-            decision.evidence.value,
-        )
+        logger.info("celery-orphans: shadow mode: would have %s", describe(outcome))
         try:
             audit.record_once(
                 decision,
@@ -147,8 +131,17 @@ class Executor:
         )
         if entry.delivery.delivery_tag:
             broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag)
-        self.ledger.release(decision.task_id, entry.token)
+        # Only once the row's move to RETRY is committed: should this process die before that, the
+        # entry lets the next sweep find the task again instead of judging it by a STARTED row alone.
+        transaction.on_commit(lambda: self._release_quietly(decision.task_id, entry.token))
         return decision
+
+    def _release_quietly(self, task_id: str, token: str) -> None:
+        try:
+            self.ledger.release(task_id, token)
+        except redis.RedisError as exc:
+            # Harmless: the next sweep sees the entry, and its claim finds the task already moved on.
+            logger.warning("celery-orphans: could not remove the old ledger entry of %s: %s", task_id, exc)
 
     def _mark_terminal(
         self, decision: Decision, candidate: Candidate, entry: Entry | None, worker: str
@@ -166,6 +159,16 @@ def _revoke_quietly(app: Celery, task_id: str) -> None:
         broker.revoke(app, task_id)
     except (KombuError, OperationalError, OSError) as exc:
         logger.warning("celery-orphans: could not broadcast a revoke of %s: %s", task_id, exc)
+
+
+def describe(outcome: Outcome) -> str:
+    """One log line's worth: what was done to which task, from which worker, and why."""
+    d = outcome.decision
+    attempt = f", attempt {d.attempt}" if d.action is Action.RECOVER else ""
+    return (
+        f"{_PAST[d.action]} {outcome.task_name}[{d.task_id}] from worker {outcome.worker or '?'}: "
+        f"{d.reason.value} ({d.evidence.value or 'no evidence needed'}{attempt})"
+    )
 
 
 _PAST = {

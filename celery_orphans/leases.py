@@ -93,8 +93,14 @@ class Heartbeat:
             logger.warning("celery-orphans: cannot drop the lease of %s: %s", self.node, exc)
 
 
-def fresh_boots(nodes: Iterable[str], conn: redis.Redis[bytes] | None = None) -> dict[str, frozenset[str]]:
-    """For each node name, the boot ids whose lease has not lapsed (two round trips in all)."""
+def fresh_boots(
+    nodes: Iterable[str], conn: redis.Redis[bytes] | None = None, *, prune: bool = True
+) -> dict[str, frozenset[str]]:
+    """For each node name, the boot ids whose lease has not lapsed (two round trips in all).
+
+    With ``prune``, lapsed boot ids are dropped from their node's set, so the sets of names that never
+    come back do not grow with every crash. A live boot wrongly dropped adds itself at its next beat.
+    """
     conn = conn or client()
     keys = Keys.current()
     nodes = sorted(set(nodes))
@@ -110,6 +116,12 @@ def fresh_boots(nodes: Iterable[str], conn: redis.Redis[bytes] | None = None) ->
     for node, boot in pairs:
         pipe.exists(keys.lease(node, boot))
     alive = {pair for pair, exists in zip(pairs, pipe.execute() if pairs else []) if exists}
+    lapsed = [pair for pair in pairs if pair not in alive]
+    if prune and lapsed:
+        pipe = conn.pipeline(transaction=False)
+        for node, boot in lapsed:
+            pipe.srem(keys.boots(node), boot)
+        pipe.execute()
     return {node: frozenset(b for b in boots[node] if (node, b) in alive) for node in nodes}
 
 

@@ -213,7 +213,7 @@ class Ledger:
                 continue
             try:
                 entry = Entry.from_json(raw, (token or b"").decode())
-            except (ValueError, TypeError, KeyError) as exc:
+            except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as exc:
                 found[task_id] = f"unreadable ledger entry: {exc}"
                 continue
             found[task_id] = entry if entry.task_id == task_id else "ledger entry names another task id"

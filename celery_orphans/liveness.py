@@ -37,10 +37,12 @@ def observe(
     task_ids: Collection[str],
     timeout: float,
     conn: redis.Redis[bytes] | None = None,
+    *,
+    prune: bool = True,
 ) -> dict[str, WorkerView]:
     """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases."""
     held = ask_workers(app, nodes, task_ids, timeout)
-    fresh = leases.fresh_boots(nodes, conn)
+    fresh = leases.fresh_boots(nodes, conn, prune=prune)
     return {
         node: WorkerView(
             replied=node in held, held=held.get(node, frozenset()), fresh_boots=fresh.get(node, frozenset())

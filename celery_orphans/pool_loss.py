@@ -21,9 +21,10 @@ from django.utils import timezone
 
 from celery_orphans import actions, leases, registry
 from celery_orphans.conf import settings
-from celery_orphans.ledger import Entry, Ledger, delivery_from_message, now
+from celery_orphans.ledger import Ledger
 from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Candidate, Policy, after_pool_loss
+from celery_orphans.request import entry_for
 from celery_orphans.store import Keys, client
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,9 @@ def is_pool_loss(request: Any, exc: BaseException) -> bool:
 def take_over(request: Any, exc_info: Any) -> bool:
     """Recover (or close) the task of a lost pool process; ``False`` leaves it to Celery."""
     beat = leases.current()
-    if beat is None or not settings.ENABLED or not is_pool_loss(request, exc_info.exception):
+    if beat is None or not settings.ENABLED or settings.SHADOW_MODE:
+        return False
+    if not is_pool_loss(request, exc_info.exception):
         return False
     policy = registry.policy_of(request.task)
     if policy is None:
@@ -47,15 +50,7 @@ def take_over(request: Any, exc_info: Any) -> bool:
     try:
         ledger = Ledger(client(), Keys.current())
         attempts = ledger.attempts([request.id])[request.id]
-        entry = Entry(
-            task_id=request.id,
-            task_name=request.name,
-            node=beat.node,
-            boot=beat.boot,
-            recorded_at=now(),
-            delivery=delivery_from_message(request.message),
-            token=request._orphans_token,
-        )
+        entry = entry_for(request, beat, request._orphans_token)
         candidate = Candidate(
             task_id=request.id,
             task_name=request.name,

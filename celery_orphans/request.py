@@ -28,6 +28,19 @@ def ledger() -> Ledger:
     return Ledger(client(), Keys.current())
 
 
+def entry_for(request: Any, beat: leases.Heartbeat, token: str) -> Entry:
+    """The ledger entry of a request this worker boot is about to run (or ran)."""
+    return Entry(
+        task_id=request.id,
+        task_name=request.name,
+        node=beat.node,
+        boot=beat.boot,
+        recorded_at=now(),
+        delivery=delivery_from_message(request.message),
+        token=token,
+    )
+
+
 class RecoverableRequestMixin:
     """Records the delivery before it runs, drops stale copies, and forgets it once acknowledged."""
 
@@ -50,15 +63,7 @@ class RecoverableRequestMixin:
             # broker has already forgotten the message: there is nothing sound to record.
             return True
         token = uuid.uuid4().hex
-        entry = Entry(
-            task_id=req.id,
-            task_name=req.name,
-            node=beat.node,
-            boot=beat.boot,
-            recorded_at=now(),
-            delivery=delivery_from_message(req.message),
-            token=token,
-        )
+        entry = entry_for(req, beat, token)
         try:
             admitted = ledger().admit(entry)
         except redis.RedisError as exc:

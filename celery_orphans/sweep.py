@@ -134,10 +134,18 @@ def _sweep(app: Celery, options: Options) -> Report:
         conn = client()
         ledger = Ledger(conn, Keys.current())
         if options.boot is None:
-            candidates, entries = gather(app, ledger, now - grace)
-            nodes = {c.worker for c in candidates if c.worker}
+            # Everything running is gathered, so a report can show what is still in grace; only the
+            # tasks past it are worth asking workers about.
+            candidates, entries = gather(app, ledger, now)
+            judged = [c for c in candidates if c.started_at is None or c.started_at <= now - grace]
+            nodes = {c.worker for c in judged if c.worker}
             views = liveness.observe(
-                app, nodes, [c.task_id for c in candidates], settings.INSPECT_TIMEOUT_SECONDS, conn
+                app,
+                nodes,
+                [c.task_id for c in judged],
+                settings.INSPECT_TIMEOUT_SECONDS,
+                conn,
+                prune=not options.dry_run,
             )
         else:
             candidates, entries, views = _own_tasks(app, ledger, options.boot)

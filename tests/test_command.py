@@ -228,12 +228,6 @@ def test_fractional_grace_minutes_leave_a_task_that_just_started_alone(orphans, 
     assert out.startswith("Dry run: would have recovered 0 orphaned tasks, would have marked 0 terminal")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sweep.gather only collects tasks started before now - grace, so a task in grace is never a "
-    "candidate and --all cannot list it (the in_grace decision is unreachable from the command)",
-    raises=AssertionError,
-)
 @pytest.mark.worker
 def test_all_lists_a_task_in_grace_as_left_alone(orphans, redis_client):
     out, _ = command("--dry-run", "--grace-minutes", "0.5", "--json", "--all")
@@ -246,10 +240,10 @@ def test_all_lists_a_task_in_grace_as_left_alone(orphans, redis_client):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--grace-minutes", "-1"], "grace must be zero or more minutes"),
-        (["--grace-minutes=-0.5"], "grace must be zero or more minutes"),
+        (["--grace-minutes", "-1"], "grace must be between 0 and"),
+        (["--grace-minutes=-0.5"], "grace must be between 0 and"),
         (["--grace-minutes", "abc"], "'abc' is not a number of minutes"),
-        (["--grace-minutes", "nan"], "grace must be zero or more minutes"),
+        (["--grace-minutes", "nan"], "grace must be between 0 and"),
         (["--max-attempts", "0"], "must be at least 1"),
         (["--max-attempts", "-3"], "must be at least 1"),
         (["--max-attempts", "1.5"], "is not a whole number"),
@@ -265,16 +259,10 @@ def test_bad_argument_exits_with_a_usage_error():
     script = manage("--grace-minutes", "-1")
 
     assert script.returncode == 2
-    assert "grace must be zero or more minutes" in script.stderr
+    assert "grace must be between 0 and" in script.stderr
     assert "usage:" in script.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="--grace-minutes accepts inf and huge values; the sweep then crashes with OverflowError "
-    "building timedelta/now - grace instead of refusing the argument",
-    raises=OverflowError,
-)
 @pytest.mark.parametrize("grace", ["inf", "1e12"])
 def test_grace_too_large_for_a_date_is_refused(grace):
     with pytest.raises(CommandError, match="grace"):

@@ -185,11 +185,6 @@ def test_stop_without_start_drops_a_lease_written_by_renew(
     assert boots_of(redis_client, node) == set()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a boot whose lease lapsed (a SIGKILLed worker) stays in the node's boots set forever: "
-    "nothing removes it, so the set grows with every crash and every sweep checks each one",
-)
 def test_a_lapsed_boot_does_not_stay_listed_under_its_node(
     beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:

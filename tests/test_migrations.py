@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import pytest
-from django.core.exceptions import MultipleObjectsReturned
 from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
@@ -124,12 +123,6 @@ def test_existing_interval_schedule_is_reused(migrator):
     assert PeriodicTask.objects.get(name=schedule.SCHEDULE_NAME).interval_id == existing.pk
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="0002_beat_schedule uses IntervalSchedule.get_or_create, which raises MultipleObjectsReturned "
-    "when the project already has two equal intervals (the table has no unique constraint)",
-    raises=MultipleObjectsReturned,
-)
 def test_duplicate_interval_schedules_do_not_break_the_migration(migrator):
     migrate(BEFORE)
     every = orphan_settings.SWEEP_INTERVAL_SECONDS

@@ -20,9 +20,10 @@ def create_schedule(apps, schema_editor):  # type: ignore[no-untyped-def]
     IntervalSchedule = apps.get_model("django_celery_beat", "IntervalSchedule")
     PeriodicTask = apps.get_model("django_celery_beat", "PeriodicTask")
     PeriodicTasks = apps.get_model("django_celery_beat", "PeriodicTasks")
-    interval, _ = IntervalSchedule.objects.using(db).get_or_create(
-        every=_interval_seconds(), period="seconds"
-    )
+    # The table allows equal rows (django-celery-beat itself copes with that): reuse the first.
+    every = _interval_seconds()
+    equal = IntervalSchedule.objects.using(db).filter(every=every, period="seconds")
+    interval = equal.order_by("pk").first() or equal.create(every=every, period="seconds")
     PeriodicTask.objects.using(db).update_or_create(
         name=SCHEDULE_NAME,
         defaults={

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from argparse import ArgumentParser, ArgumentTypeError
 from typing import Any
 
@@ -16,14 +17,16 @@ from celery_orphans.exceptions import LedgerUnavailable, SweepLocked
 from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action
 
+MAX_GRACE_MINUTES = 60 * 24 * 365  # a year: longer than any task, short enough for a date
+
 
 def _non_negative_minutes(value: str) -> float:
     try:
         minutes = float(value)
     except ValueError:
         raise ArgumentTypeError(f"{value!r} is not a number of minutes") from None
-    if minutes < 0 or minutes != minutes:
-        raise ArgumentTypeError(f"grace must be zero or more minutes, got {value!r}")
+    if not math.isfinite(minutes) or not 0 <= minutes <= MAX_GRACE_MINUTES:
+        raise ArgumentTypeError(f"grace must be between 0 and {MAX_GRACE_MINUTES} minutes, got {value!r}")
     return minutes
 
 
