@@ -117,7 +117,9 @@ class Executor:
     def _recover(self, decision: Decision, candidate: Candidate, entry: Entry) -> Decision:
         attempt = self._claim(decision.task_id, candidate, entry, "recover")
         decision = dataclasses.replace(decision, attempt=attempt)
-        rows.mark_retry(decision.task_id, f"orphaned on {entry.node}: {decision.detail}; sent again")
+        detail = f"orphaned on {entry.node}: {decision.detail}; sent again"
+        if not rows.mark_retry(decision.task_id, detail) and rows.finished(decision.task_id):
+            raise Moved  # it ended after the sweep read its row: nothing to send again
         broker.publish(
             self.app,
             entry.delivery,
@@ -148,7 +150,11 @@ class Executor:
     ) -> None:
         self._claim(decision.task_id, candidate, entry, "terminal")
         detail = f"orphaned on worker {worker}: {decision.detail}"
-        rows.mark_failure(decision.task_id, detail, limit_reached=decision.reason is Reason.LIMIT_REACHED)
+        limit_reached = decision.reason is Reason.LIMIT_REACHED
+        if not rows.mark_failure(decision.task_id, detail, limit_reached=limit_reached) and rows.finished(
+            decision.task_id
+        ):
+            raise Moved
         broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag if entry else None)
         # After commit, so no worker reads a half-written state when it handles the revoke.
         transaction.on_commit(lambda: _revoke_quietly(self.app, decision.task_id))

@@ -40,9 +40,17 @@ def observe(
     *,
     prune: bool = True,
 ) -> dict[str, WorkerView]:
-    """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases."""
+    """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases.
+
+    Leases are read before the broadcast and again after it for the nodes that stayed silent, and a
+    lease seen fresh either time counts: a heartbeat held up by a Redis pause lands the moment Redis
+    answers again, inside the broadcast's wait, so a live worker is not judged by that gap.
+    """
+    before = leases.fresh_boots(nodes, conn, prune=False)
     held = ask_workers(app, nodes, task_ids, timeout)
-    fresh = leases.fresh_boots(nodes, conn, prune=prune)
+    silent = [node for node in nodes if node not in held]
+    after = leases.fresh_boots(silent, conn, prune=prune) if silent else {}
+    fresh = {node: before.get(node, frozenset()) | after.get(node, frozenset()) for node in nodes}
     return {
         node: WorkerView(
             replied=node in held, held=held.get(node, frozenset()), fresh_boots=fresh.get(node, frozenset())

@@ -93,6 +93,11 @@ def _move(task_id: str, status: str, exc: BaseException, detail: str) -> int:
     )
 
 
+def finished(task_id: str) -> bool:
+    """Whether the task's row says it ended (the worker wrote its outcome)."""
+    return TaskResult.objects.filter(task_id=task_id, status__in=states.READY_STATES).exists()
+
+
 def mark_retry(task_id: str, detail: str) -> int:
     """The task was sent again: it is no longer running, and not finished either."""
     return _move(task_id, states.RETRY, TaskOrphaned(detail), detail)

@@ -6,6 +6,9 @@ import threading
 from dataclasses import dataclass
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
+from redis.retry import Retry
 
 from celery_orphans.conf import settings
 
@@ -20,7 +23,14 @@ def client() -> redis.Redis[bytes]:
         found = _clients.get(url)
         if found is None:
             found = _clients[url] = redis.Redis.from_url(
-                url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
+                url,
+                client_name="celery-orphans",
+                socket_timeout=5,
+                socket_connect_timeout=5,
+                health_check_interval=30,
+                # A dropped connection (Redis restarted, a proxy closed it) is retried, not fatal.
+                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+                retry_on_error=[ConnectionError, TimeoutError],
             )
         return found
 

@@ -9,7 +9,7 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.workers import WorkerPool
+from tests.workers import WorkerPool, wait_for
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -62,9 +62,29 @@ def workers(
     pool = WorkerPool(tmp_path, env)
     yield pool
     pool.close()
+    _wait_for_worker_sessions_to_end()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
         for worker in pool:
             print(f"--- log of {worker.name} ---\n{worker.log()[-6000:]}")
+
+
+def _wait_for_worker_sessions_to_end() -> None:
+    """PostgreSQL notices a killed worker's connections a moment later; the test database must be free."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        wait_for(
+            lambda: not _other_sessions(cursor), 15, "killed workers' database sessions to end", interval=0.1
+        )
+
+
+def _other_sessions(cursor: object) -> int:
+    cursor.execute(  # type: ignore[attr-defined]
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    return int(cursor.fetchone()[0])  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(wrapper=True)
