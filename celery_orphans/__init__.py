@@ -11,6 +11,7 @@ from celery_orphans.exceptions import (
     TaskOrphaned,
 )
 from celery_orphans.recommended import recommended_celery_settings
+from celery_orphans.signals import orphan_detected, orphan_marked_terminal, orphan_recovered
 
 __version__ = "0.1.0.dev0"
 
@@ -21,6 +22,9 @@ __all__ = [
     "SweepLocked",
     "TaskOrphaned",
     "__version__",
+    "orphan_detected",
+    "orphan_marked_terminal",
+    "orphan_recovered",
     "recommended_celery_settings",
     "recoverable",
 ]

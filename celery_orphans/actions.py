@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from celery import Celery
 from django.db import DatabaseError, transaction
 from kombu.exceptions import KombuError, OperationalError
 
-from celery_orphans import audit, broker, rows
+from celery_orphans import audit, broker, leases, metrics, rows, signals
 from celery_orphans.conf import settings
 from celery_orphans.ledger import Entry, Ledger
 from celery_orphans.reconcile import Action, Candidate, Decision, Reason
@@ -82,7 +83,20 @@ class Executor:
             return dataclasses.replace(outcome, decision=decision, error=f"{type(exc).__name__}: {exc}")
         done = dataclasses.replace(outcome, decision=decision, done=True)
         logger.info("celery-orphans: %s", describe(done))
+        self._count(done, entry)
+        signals.announce(done, self.options.trigger)
         return done
+
+    def _count(self, outcome: Outcome, entry: Entry | None) -> None:
+        d = outcome.decision
+        if d.action is Action.MARK_TERMINAL:
+            metrics.marked_terminal(outcome.task_name, d.reason.value)
+        elif d.action is Action.RECOVER and entry is not None:
+            beats = leases.last_beats([(entry.node, entry.boot)], self.ledger.client)
+            last = beats.get((entry.node, entry.boot))
+            metrics.recovered(
+                outcome.task_name, d.evidence.value, None if last is None else time.time() - last
+            )
 
     def shadow(self, outcome: Outcome) -> Outcome:
         """Shadow mode: audit what would be done (once per task), change nothing else."""

@@ -49,19 +49,21 @@ class Heartbeat:
         if os.getpid() != self.pid:  # a forked child must never keep its parent's lease alive
             self._stop.set()
             return False
+        renewed_at = time.time()
         value = json.dumps(
             {
                 "node": self.node,
                 "boot": self.boot,
                 "pid": self.pid,
                 "host": socket.gethostname(),
-                "renewed_at": time.time(),
+                "renewed_at": renewed_at,
             }
         )
         try:
             pipe = client().pipeline(transaction=False)
             pipe.set(self.keys.lease(self.node, self.boot), value, px=self.lease_ms)
-            pipe.sadd(self.keys.boots(self.node), self.boot)
+            # The node's boots, each with its last beat: outlives the lease, for "how long since".
+            pipe.hset(self.keys.boots(self.node), self.boot, repr(renewed_at))
             pipe.execute()
         except redis.RedisError as exc:
             if not self._failing:
@@ -87,7 +89,7 @@ class Heartbeat:
         try:
             pipe = client().pipeline(transaction=False)
             pipe.delete(self.keys.lease(self.node, self.boot))
-            pipe.srem(self.keys.boots(self.node), self.boot)
+            pipe.hdel(self.keys.boots(self.node), self.boot)
             pipe.execute()
         except redis.RedisError as exc:
             logger.warning("celery-orphans: cannot drop the lease of %s: %s", self.node, exc)
@@ -106,7 +108,7 @@ def fresh_boots(
     nodes = sorted(set(nodes))
     pipe = conn.pipeline(transaction=False)
     for node in nodes:
-        pipe.smembers(keys.boots(node))
+        pipe.hkeys(keys.boots(node))
     boots = {
         node: sorted(b.decode() if isinstance(b, bytes) else str(b) for b in members)
         for node, members in zip(nodes, pipe.execute())
@@ -120,9 +122,33 @@ def fresh_boots(
     if prune and lapsed:
         pipe = conn.pipeline(transaction=False)
         for node, boot in lapsed:
-            pipe.srem(keys.boots(node), boot)
+            pipe.hdel(keys.boots(node), boot)
         pipe.execute()
     return {node: frozenset(b for b in boots[node] if (node, b) in alive) for node in nodes}
+
+
+def last_beats(
+    pairs: Iterable[tuple[str, str]], conn: redis.Redis[bytes] | None = None
+) -> dict[tuple[str, str], float]:
+    """When each (node, boot) last renewed its lease, for the boots still listed under their node."""
+    conn = conn or client()
+    keys = Keys.current()
+    pairs = list(pairs)
+    pipe = conn.pipeline(transaction=False)
+    for node, boot in pairs:
+        pipe.hget(keys.boots(node), boot)
+    found = {}
+    for pair, value in zip(pairs, pipe.execute() if pairs else []):
+        try:
+            found[pair] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return found
+
+
+def count() -> int:
+    """How many worker boots hold a live lease now (a SCAN: for status pages, not hot paths)."""
+    return sum(1 for _ in client().scan_iter(match=f"{Keys.current().prefix}:lease:*", count=500))
 
 
 def renewals(

@@ -37,8 +37,6 @@ def observe(
     task_ids: Collection[str],
     timeout: float,
     conn: redis.Redis[bytes] | None = None,
-    *,
-    prune: bool = True,
 ) -> dict[str, WorkerView]:
     """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases.
 
@@ -49,7 +47,7 @@ def observe(
     before = leases.fresh_boots(nodes, conn, prune=False)
     held = ask_workers(app, nodes, task_ids, timeout)
     silent = [node for node in nodes if node not in held]
-    after = leases.fresh_boots(silent, conn, prune=prune) if silent else {}
+    after = leases.fresh_boots(silent, conn, prune=False) if silent else {}
     fresh = {node: before.get(node, frozenset()) | after.get(node, frozenset()) for node in nodes}
     return {
         node: WorkerView(

@@ -14,7 +14,7 @@ import redis
 from celery import Celery, current_app
 from django.utils import timezone
 
-from celery_orphans import actions, liveness, registry
+from celery_orphans import actions, leases, liveness, metrics, registry
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import CeleryOrphansError, LedgerUnavailable
 from celery_orphans.ledger import Entry, Ledger
@@ -107,6 +107,7 @@ def run(options: Options, app: Celery | None = None) -> Report:
         with sweep_lock():
             report = _sweep(app, options)
     report.duration = time.monotonic() - started
+    metrics.swept(report.duration)
     (logger.info if report.outcomes else logger.debug)("celery-orphans: %s", report.summary())
     failure = next((o for o in report.outcomes if o.error), None)
     if failure is not None:
@@ -140,12 +141,7 @@ def _sweep(app: Celery, options: Options) -> Report:
             judged = [c for c in candidates if c.started_at is None or c.started_at <= now - grace]
             nodes = {c.worker for c in judged if c.worker}
             views = liveness.observe(
-                app,
-                nodes,
-                [c.task_id for c in judged],
-                settings.INSPECT_TIMEOUT_SECONDS,
-                conn,
-                prune=not options.dry_run,
+                app, nodes, [c.task_id for c in judged], settings.INSPECT_TIMEOUT_SECONDS, conn
             )
         else:
             candidates, entries, views = _own_tasks(app, ledger, options.boot)
@@ -169,7 +165,17 @@ def _sweep(app: Celery, options: Options) -> Report:
                 outcome = executor.carry_out(outcome, candidate, entries.get(candidate.task_id))
             stopped = outcome.error is not None
         report.outcomes.append(outcome)
+    if not options.dry_run and not stopped:
+        _forget_lapsed_boots({c.worker for c in candidates if c.worker})
     return report
+
+
+def _forget_lapsed_boots(nodes: set[str]) -> None:
+    # After the actions, which read the last beat of the boots they judged.
+    try:
+        leases.fresh_boots(nodes, prune=True)
+    except redis.RedisError as exc:
+        logger.warning("celery-orphans: could not forget lapsed worker boots: %s", exc)
 
 
 def _own_tasks(

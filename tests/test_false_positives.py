@@ -10,7 +10,6 @@ from django.db import connection
 
 from celery_orphans import sweep
 from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.reconcile import Action
 from tests.test_recovery import finishes, started_on, starts
 from tests.workers import wait_for
 

@@ -77,7 +77,7 @@ def lease_key(heartbeat: Heartbeat) -> str:
 
 
 def boots_of(redis_client: redis.Redis, node: str) -> set[str]:
-    return {b.decode() for b in redis_client.smembers(Keys.current().boots(node))}
+    return {b.decode() for b in redis_client.hkeys(Keys.current().boots(node))}
 
 
 # --- the lease ------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_renewed_within_waits_out_a_lease_it_cannot_prove_dead(
 # --- one renewal ----------------------------------------------------------------------------------
 
 
-def test_one_renewal_is_one_round_trip_of_one_set_and_one_sadd(
+def test_one_renewal_is_one_round_trip_of_one_set_and_one_hset(
     beat: MakeBeat, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, node: str
 ) -> None:
     heartbeat = beat(node)  # not started: only the renewals below talk to Redis
@@ -312,7 +312,7 @@ def test_one_renewal_is_one_round_trip_of_one_set_and_one_sadd(
 
     assert len(sent) == renewals
     for payload in sent:
-        assert re.findall(rb"\*\d+\r\n\$\d+\r\n([A-Z]+)\r\n", payload) == [b"SET", b"SADD"]
+        assert re.findall(rb"\*\d+\r\n\$\d+\r\n([A-Z]+)\r\n", payload) == [b"SET", b"HSET"]
 
 
 # --- processes ------------------------------------------------------------------------------------
