@@ -45,6 +45,7 @@ class Reason(str, enum.Enum):
     TOO_OLD = "too_old"
     UNSAFE_MESSAGE = "unsafe_message"
     DEFERRED = "deferred"  # over the per-sweep recovery limit; next sweep
+    BY_OPERATOR = "by_operator"  # a person chose to close it rather than recover it
     ALREADY_FINISHED = "already_finished"
     ALIVE = "alive"
     IN_GRACE = "in_grace"
@@ -223,3 +224,17 @@ def defer_excess(decisions: list[Decision], limit: int | None) -> list[Decision]
                 kept += 1
         result.append(d)
     return result
+
+
+def by_operator(decision: Decision) -> Decision:
+    """An operator closes an orphan: whatever would have been done, it is marked terminal instead."""
+    if not decision.orphaned or decision.action not in {Action.RECOVER, Action.MARK_TERMINAL}:
+        return decision
+    return Decision(
+        decision.task_id,
+        Action.MARK_TERMINAL,
+        Reason.BY_OPERATOR,
+        decision.evidence,
+        "marked terminal by an operator",
+        decision.attempt if decision.action is Action.MARK_TERMINAL else (decision.attempt or 1) - 1,
+    )

@@ -50,6 +50,7 @@ def announce(outcome: Outcome, trigger: Trigger) -> None:
         "attempt": d.attempt,
         "trigger": str(trigger),
     }
+
     def send_both() -> None:
         _send(orphan_detected, arguments)
         _send(follow_up, arguments)

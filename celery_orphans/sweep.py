@@ -26,6 +26,7 @@ from celery_orphans.reconcile import (
     Decision,
     Policy,
     WorkerView,
+    by_operator,
     decide,
     defer_excess,
 )
@@ -62,6 +63,9 @@ class Options:
     user: str = ""
     boot: BootScope | None = None
     shadow: bool | None = None  # None: CELERY_ORPHANS_SHADOW_MODE
+    task_ids: frozenset[str] | None = None  # judge only these tasks (an operator's selection)
+    acts: frozenset[Action] | None = None  # carry out only these actions; report the others
+    mark_terminal: bool = False  # an operator closes the selected orphans instead of recovering them
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ def _sweep(app: Celery, options: Options) -> Report:
         if options.boot is None:
             # Everything running is gathered, so a report can show what is still in grace; only the
             # tasks past it are worth asking workers about.
-            candidates, entries = gather(app, ledger, now)
+            candidates, entries = gather(app, ledger, now, options.task_ids)
             judged = [c for c in candidates if c.started_at is None or c.started_at <= now - grace]
             nodes = {c.worker for c in judged if c.worker}
             views = liveness.observe(
@@ -152,13 +156,16 @@ def _sweep(app: Celery, options: Options) -> Report:
         [decide(c, views.get(c.worker) if c.worker else None, policy) for c in candidates],
         settings.MAX_RECOVERIES_PER_SWEEP,
     )
+    if options.mark_terminal:
+        decisions = [by_operator(d) for d in decisions]
     shadow = options.shadow if options.shadow is not None else settings.SHADOW_MODE
     report = Report(dry_run=options.dry_run, shadow=shadow)
     executor = actions.Executor(app, ledger, options, now)
     stopped = False
     for candidate, decision in zip(candidates, decisions):
         outcome = Outcome(decision, candidate.task_name or "", candidate.worker or "")
-        if not options.dry_run and not stopped and decision.action in actions.ACTS:
+        allowed = options.acts is None or decision.action in options.acts
+        if not options.dry_run and not stopped and allowed and decision.action in actions.ACTS:
             if shadow:
                 outcome = executor.shadow(outcome)
             else:
@@ -188,10 +195,14 @@ def _own_tasks(
     return candidates, entries, {scope.node: view}
 
 
-def gather(app: Celery, ledger: Ledger, cutoff: datetime) -> tuple[list[Candidate], dict[str, Entry]]:
-    """Every STARTED row and ledger entry older than ``cutoff``, merged by task id."""
-    rows = {row.task_id: row for row in started_rows(cutoff)}
+def gather(
+    app: Celery, ledger: Ledger, cutoff: datetime, only: frozenset[str] | None = None
+) -> tuple[list[Candidate], dict[str, Entry]]:
+    """Every STARTED row and ledger entry older than ``cutoff`` (of the ``only`` ids), merged by task id."""
+    rows = {row.task_id: row for row in started_rows(cutoff, only)}
     ledger_ids = ledger.older_than(cutoff.timestamp())
+    if only is not None:
+        ledger_ids = [task_id for task_id in ledger_ids if task_id in only]
     extra = [task_id for task_id in ledger_ids if task_id not in rows]
     rows.update(rows_by_id(extra))
     ids = sorted(set(rows) | set(ledger_ids))

@@ -77,3 +77,32 @@ def test_pickled_message_is_never_sent_again_and_does_not_stop_the_sweep(redis_c
     assert found[pickled] == (Action.MARK_TERMINAL, Reason.UNSAFE_MESSAGE)
     assert found[fine] == (Action.RECOVER, Reason.RECOVERABLE)
     assert redis_client.llen("celery") == 1
+
+
+def test_an_operator_selection_judges_only_the_chosen_tasks(redis_client):
+    chosen, other = factories.orphan(), factories.orphan()
+
+    found = decisions(run(task_ids=frozenset({chosen})))
+
+    assert set(found) == {chosen}
+    assert TaskResult.objects.get(task_id=other).status == "STARTED"
+
+
+def test_an_operator_can_close_a_recoverable_orphan_instead_of_recovering_it(redis_client):
+    task_id = factories.orphan()
+
+    found = decisions(run(task_ids=frozenset({task_id}), mark_terminal=True))
+
+    assert found[task_id] == (Action.MARK_TERMINAL, Reason.BY_OPERATOR)
+    assert TaskResult.objects.get(task_id=task_id).status == "FAILURE"
+    assert redis_client.llen("celery") == 0
+
+
+def test_actions_outside_the_allowed_set_are_reported_but_not_carried_out(redis_client):
+    recoverable, scan = factories.orphan(), factories.orphan("demoapp.scan", ("db",))
+
+    report = run(acts=frozenset({Action.RECOVER}))
+
+    done = {o.decision.task_id: o.done for o in report.outcomes}
+    assert done == {recoverable: True, scan: False}
+    assert TaskResult.objects.get(task_id=scan).status == "STARTED"
