@@ -1,0 +1,242 @@
+"""Run every benchmark, then print one table: each target, the measured value, PASS or FAIL.
+
+    python benchmarks/run.py            # full size (about half an hour on two cores)
+    python benchmarks/run.py --quick    # CI size (under two minutes), every figure still printed
+    python benchmarks/run.py --only sweep_scale,throughput
+
+Each benchmark runs in its own process and writes its raw results as JSON; this script gathers them into
+``benchmarks/results/summary.json`` with the machine's load average around each one. It exits 1 when a
+target is missed or a benchmark fails, 0 otherwise. Figures without a target are printed as ``info``;
+a target not judged at ``--quick`` size is ``n/a``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = ROOT / "benchmarks"
+# Our own services: recovery_time.py keeps its own (db `test`, Redis 11) and deletes every result row
+# of the database it is given, so it must never be handed ours.
+OURS = {"DATABASE_URL": "/bench_orphans", "REDIS_URL": "/13"}
+
+Row = tuple[str, str, str, str]  # benchmark, target, measured, result
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    script: str
+    full: list[str]
+    quick: list[str]
+    rows: Callable[[dict[str, Any]], list[Row]]
+    env: Callable[[dict[str, str]], dict[str, str]] = lambda env: env
+
+
+def verdict(passed: bool | None) -> str:
+    return "n/a" if passed is None else "PASS" if passed else "FAIL"
+
+
+def checks(data: dict[str, Any]) -> list[Row]:
+    return [(c["benchmark"], c["target"], c["measured"], verdict(c["pass"])) for c in data["checks"]]
+
+
+def recovery_rows(data: dict[str, Any]) -> list[Row]:
+    rows = []
+    for name, r in data.items():
+        label = "P1 same-name restart" if name.startswith("P1") else "P2 worker never back"
+        measured = f"p50 {r['p50']:.1f} s, p95 {r['p95']:.1f} s, max {r['max']:.1f} s (n={r['n']})"
+        rows.append((label, r["target"], measured, verdict(r["pass"])))
+    return rows
+
+
+def sweep_rows(data: dict[str, Any]) -> list[Row]:
+    h = data["headline"]
+    rows = checks(data)
+    rows.insert(
+        1,
+        (
+            "P3 reference, same data",
+            "info",
+            f"{h['reference']:.1f} s ({h['reference_decisions']['workers_pinged']} pings)",
+            "info",
+        ),
+    )
+    rows.append(
+        (
+            "P3 setting",
+            "info",
+            f"{h['rows']:,} STARTED rows, {data['finished_rows']:,} finished; "
+            f"{h['live']} live + {h['dead']} dead workers",
+            "info",
+        )
+    )
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in h["ours_phases"].items())
+    rows.append(("P3 dry run, where the time goes", "info", phases + " s", "info"))
+    for n, figure in data["by_rows"].items():
+        rows.append((f"P3 dry run, {int(n):,} rows", "grows with rows", f"{figure['median']:.2f} s", "info"))
+    for label, seconds in data["dead_workers"].items():
+        rows.append((f"P3 dry run, {label.replace('_', ' ')}", "flat in dead", f"{seconds:.2f} s", "info"))
+    real = data["real"]
+    rows.append(
+        (
+            "P3 real sweep",
+            "info",
+            f"{real['median']:.1f} s ({real['decisions'].get('done', 0):,} actions)",
+            "info",
+        )
+    )
+    revokes = real.get("revokes_handled_by_live_workers_seconds")
+    if revokes:
+        rows.append(("P3 live workers handle revokes", "info", f"{max(revokes):.1f} s after it", "info"))
+    for label, plan in data["explain"].items():
+        scan = "seq scan" if plan["seq_scan"] else "index: " + ", ".join(plan["indexes"])
+        rows.append(
+            (
+                f"P3 EXPLAIN, {label.replace('_', ' ')}",
+                "no seq scan",
+                f"{plan['execution_ms']:.1f} ms, {scan}",
+                verdict(not plan["seq_scan"]),
+            )
+        )
+    workers = data["workers"]
+    rows.append(
+        (
+            "P3 live workers' memory",
+            "info",
+            f"{workers['started']} of {workers['wanted']}, {workers['total_mb']:.0f} MB",
+            "info",
+        )
+    )
+    return rows
+
+
+def throughput_rows(data: dict[str, Any]) -> list[Row]:
+    rows = checks(data)
+    for kind in ("noop", "sleep10ms"):
+        r = data[kind]
+        rows.append(
+            (
+                f"P4 {kind} tasks/s",
+                "info",
+                f"plain {r['plain']:.0f}, ours {r['ours']:.0f} "
+                f"(batch {r['batch']}, paired {r['paired_ratio_median']:.1%})",
+                "info",
+            )
+        )
+    rows.append(
+        (
+            "P4 ledger entries left",
+            "0",
+            str(data["ledger_entries_left"]),
+            verdict(data["ledger_entries_left"] == 0),
+        )
+    )
+    return rows
+
+
+def without_ours(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not (k in OURS and v.rstrip("/").endswith(OURS[k]))}
+
+
+BENCHMARKS = [
+    Benchmark(
+        "recovery_time",
+        "recovery_time.py",
+        ["--trials", "20"],
+        ["--trials", "1"],
+        recovery_rows,
+        without_ours,
+    ),
+    Benchmark("sweep_scale", "sweep_scale.py", [], ["--quick"], sweep_rows),
+    Benchmark("throughput", "throughput.py", [], ["--quick"], throughput_rows),
+]
+
+
+def run(bench: Benchmark, quick: bool, out: Path) -> dict[str, Any]:
+    print(f"\n=== {bench.name} ===", flush=True)
+    command = [
+        sys.executable,
+        str(HERE / bench.script),
+        *(bench.quick if quick else bench.full),
+        "--json",
+        str(out),
+    ]
+    before, started = os.getloadavg(), time.monotonic()
+    code = subprocess.call(command, cwd=ROOT, env=bench.env(dict(os.environ)))
+    record: dict[str, Any] = {
+        "command": " ".join(command[1:]),
+        "exit_code": code,
+        "seconds": time.monotonic() - started,
+        "load_before": before,
+        "load_after": os.getloadavg(),
+    }
+    if code == 0 and out.exists():
+        record["results"] = json.loads(out.read_text())
+    return record
+
+
+def table(rows: list[Row]) -> str:
+    head: Row = ("benchmark", "target", "measured", "result")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [head, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="CI size: small data, few trials")
+    parser.add_argument("--only", help="comma-separated: " + ",".join(b.name for b in BENCHMARKS))
+    parser.add_argument("--summary", type=Path, default=HERE / "results" / "summary.json")
+    args = parser.parse_args()
+    chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only.split(",")]
+
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="celery-orphans-bench-"))
+    records = {b.name: run(b, args.quick, tmp / f"{b.name}.json") for b in chosen}
+    rows: list[Row] = []
+    for bench in chosen:
+        record = records[bench.name]
+        if "results" in record:
+            rows.extend(bench.rows(record["results"]))
+        else:
+            rows.append((bench.name, "runs", f"exit code {record['exit_code']}", "ERROR"))
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load = ", ".join(
+        f"{name} {r['load_before'][0]:.2f}->{r['load_after'][0]:.2f}" for name, r in records.items()
+    )
+    print(f"\n{table(rows)}\n")
+    print(
+        f"{'quick' if args.quick else 'full'} run, {time.monotonic() - started:.0f} s; {os.cpu_count()} cores"
+    )
+    print(f"1-minute load before->after each benchmark: {load}")
+    print(f"uptime: {uptime}")
+    summary = {
+        "quick": args.quick,
+        "seconds": time.monotonic() - started,
+        "cores": os.cpu_count(),
+        "uptime": uptime,
+        "table": [dict(zip(("benchmark", "target", "measured", "result"), r)) for r in rows],
+        "benchmarks": records,
+    }
+    args.summary.parent.mkdir(parents=True, exist_ok=True)
+    args.summary.write_text(json.dumps(summary, indent=2, default=str))
+    print(f"written: {args.summary.relative_to(ROOT) if args.summary.is_relative_to(ROOT) else args.summary}")
+    sys.exit(1 if any(r[3] in {"FAIL", "ERROR"} for r in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
