@@ -55,7 +55,7 @@ def _mark(task: Any, policy: RecoveryPolicy) -> Any:
         for app in _state._get_active_apps():  # type: ignore[attr-defined]
             if app.finalized:
                 _apply_by_name(app, name, policy)
-        _state.connect_on_app_finalize(lambda app: _apply_by_name(app, name, policy))
+        _state.connect_on_app_finalize(lambda app: _apply_when_finalized(app, name, policy))
     return task
 
 
@@ -67,6 +67,12 @@ def _resolve(task: Any) -> Task[Any, Any]:
             f"got {task!r}."
         )
     return target
+
+
+def _apply_when_finalized(app: Any, name: str, policy: RecoveryPolicy) -> None:
+    # Finalize callbacks run in no set order: the shared task may not be on this app yet.
+    _apply_by_name(app, name, policy)
+    app.on_after_finalize.connect(lambda sender, **kwargs: _apply_by_name(app, name, policy), weak=False)
 
 
 def _apply_by_name(app: Any, name: str, policy: RecoveryPolicy) -> None:

@@ -24,7 +24,14 @@ def ask_workers(
     """
     if not nodes or not task_ids:
         return {}
-    replies = app.control.inspect(destination=sorted(nodes), timeout=timeout).query_task(*task_ids)
+    inspect = app.control.inspect(destination=sorted(nodes), timeout=timeout)
+    try:
+        replies = inspect.query_task(*task_ids)
+    except app.connection_for_write().connection_errors as exc:
+        # A pooled broker connection that the broker dropped: once more on a fresh one.
+        logger.info("celery-orphans: broker connection lost while asking workers (%s); retrying", exc)
+        app.pool.force_close_all()  # type: ignore[attr-defined]
+        replies = inspect.query_task(*task_ids)
     return {
         node: frozenset(held) if isinstance(held, dict) else frozenset()
         for node, held in (replies or {}).items()
