@@ -57,6 +57,7 @@ def boot_sweep(app: Any, beat: leases.Heartbeat, booted_at: datetime) -> None:
     tasks are left to the regular sweep, which asks the workers.
     """
     from celery_orphans import sweep
+    from celery_orphans.candidates import BootScope
     from celery_orphans.models import Trigger
 
     others = leases.fresh_boots([beat.node]).get(beat.node, frozenset()) - {beat.boot}
@@ -70,7 +71,7 @@ def boot_sweep(app: Any, beat: leases.Heartbeat, booted_at: datetime) -> None:
             ", ".join(sorted(others)),
         )
         return
-    scope = sweep.BootScope(beat.node, beat.boot, booted_at, _held_now)
+    scope = BootScope(beat.node, beat.boot, booted_at, _held_now)
     options = sweep.Options(trigger=Trigger.WORKER_BOOT, grace_seconds=0, boot=scope)
     try:
         for _ in range(BOOT_SWEEP_TRIES):

@@ -1,0 +1,96 @@
+"""Gathering candidates: what the result rows and the ledger say is running, merged by task id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from datetime import timezone as dt_timezone
+from typing import TYPE_CHECKING
+
+from celery import Celery
+
+from celery_orphans import registry
+from celery_orphans.ledger import Entry, Ledger
+from celery_orphans.reconcile import Candidate, WorkerView
+from celery_orphans.rows import Row, rows_by_id, started_rows
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+@dataclass(frozen=True)
+class BootScope:
+    """A worker judging its own name's tasks at boot: what it holds now is exact, no broadcast needed."""
+
+    node: str
+    boot: str
+    booted_at: datetime
+    held: Callable[[], frozenset[str]]
+
+
+def own_tasks(
+    app: Celery, ledger: Ledger, scope: BootScope
+) -> tuple[list[Candidate], dict[str, Entry], dict[str, WorkerView]]:
+    """At boot: the tasks recorded under this node name before this boot began."""
+    found, entries = gather(app, ledger, scope.booted_at)
+    candidates = [c for c in found if c.worker == scope.node]
+    view = WorkerView(replied=True, held=scope.held(), fresh_boots=frozenset({scope.boot}), at_boot=True)
+    return candidates, entries, {scope.node: view}
+
+
+def gather(
+    app: Celery, ledger: Ledger, cutoff: datetime, only: frozenset[str] | None = None
+) -> tuple[list[Candidate], dict[str, Entry]]:
+    """Every STARTED row and ledger entry older than ``cutoff`` (of the ``only`` ids), merged by task id."""
+    rows = {row.task_id: row for row in started_rows(cutoff, only)}
+    ledger_ids = ledger.older_than(cutoff.timestamp())
+    if only is not None:
+        ledger_ids = [task_id for task_id in ledger_ids if task_id in only]
+    extra = [task_id for task_id in ledger_ids if task_id not in rows]
+    rows.update(rows_by_id(extra))
+    ids = sorted(set(rows) | set(ledger_ids))
+    loaded = ledger.load(ids)
+    attempts = ledger.attempts(ids)
+    entries = {task_id: e for task_id, e in loaded.items() if isinstance(e, Entry)}
+    candidates = [
+        candidate(app, task_id, rows.get(task_id), loaded.get(task_id), attempts.get(task_id, 0))
+        for task_id in ids
+    ]
+    return candidates, entries
+
+
+def candidate(
+    app: Celery, task_id: str, row: Row | None, entry: Entry | str | None, attempts: int
+) -> Candidate:
+    """Merge what the row and the ledger entry say about one task."""
+    problem = entry if isinstance(entry, str) else None
+    entry = entry if isinstance(entry, Entry) else None
+    name = entry.task_name if entry else (row.task_name if row else None)
+    if entry and row and row.task_name and row.task_name != entry.task_name:
+        problem = f"the result row says {row.task_name!r} but the ledger entry says {entry.task_name!r}"
+    if row and row.problem:
+        problem = row.problem
+    starts = [t for t in (row.started_at if row else None, _entry_start(entry)) if t is not None]
+    policy = registry.policy_for(name, app) if name else None
+    return Candidate(
+        task_id=task_id,
+        task_name=name,
+        worker=entry.node if entry else (row.worker if row else None),
+        boot=entry.boot if entry else None,
+        started_at=max(starts) if starts else None,
+        row_status=row.status if row else None,
+        has_entry=entry is not None,
+        attempts=attempts,
+        task_known=name is not None and registry.is_registered(name, app),
+        recoverable=policy is not None,
+        group=policy.group if policy else None,
+        max_attempts=policy.max_attempts if policy else None,
+        content_type=entry.delivery.content_type if entry else None,
+        problem=problem,
+    )
+
+
+def _entry_start(entry: Entry | None) -> datetime | None:
+    if entry is None:
+        return None
+    return datetime.fromtimestamp(entry.recorded_at, tz=dt_timezone.utc)
