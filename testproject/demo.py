@@ -147,7 +147,10 @@ def main() -> None:
         say(f"sent scan[{ticket.id}]       (not recoverable: it files tickets)")
         say(f"sent chain add(2, 3) | add(10), first link [{pipeline.parent.id}] (@recoverable)")
         ids = [summary.id, ticket.id, pipeline.parent.id]
-        while TaskResult.objects.filter(task_id__in=ids, status="STARTED").count() < 3:
+        # STARTED is written just before a task's body runs; wait for the bodies themselves.
+        while TaskResult.objects.filter(task_id__in=ids, status="STARTED").count() < 3 or not all(
+            runs(task_id) for task_id in ids
+        ):
             time.sleep(0.05)
         say("all three are STARTED on the worker")
 

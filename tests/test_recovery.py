@@ -25,11 +25,14 @@ pytestmark = pytest.mark.worker
 
 
 def started_on(task_id: str, worker: str, timeout: float = 20) -> TaskResult:
-    return wait_for(
+    """Wait until the task runs on ``worker``: its STARTED row, and its body's first line (written after)."""
+    row = wait_for(
         lambda: TaskResult.objects.filter(task_id=task_id, status="STARTED", worker=worker).first(),
         timeout,
         f"{task_id} STARTED on {worker}",
     )
+    wait_for(lambda: starts(task_id) >= 1, timeout, f"{task_id} to begin its body")
+    return row
 
 
 def sweep_now(**kwargs: object) -> sweep.Report:
