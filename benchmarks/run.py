@@ -134,6 +134,16 @@ def throughput_rows(data: dict[str, Any]) -> list[Row]:
                 "info",
             )
         )
+        if "plain_cpu_ms_per_task" in r:
+            plain, ours = r["plain_cpu_ms_per_task"], r["ours_cpu_ms_per_task"]
+            rows.append(
+                (
+                    f"P4 {kind} worker CPU/task",
+                    "info",
+                    f"plain {plain:.2f} ms, ours {ours:.2f} ms ({ours / plain - 1:+.0%})",
+                    "info",
+                )
+            )
     rows.append(
         (
             "P4 ledger entries left",

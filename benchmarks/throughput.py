@@ -23,7 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,11 @@ sys.path[:0] = [str(ROOT)]
 from benchmarks.throughput_app import TASKS, app  # noqa: E402  (sets Django up)
 
 # isort: split
+import redis  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.db.models import Max, Min  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
+from kombu.exceptions import OperationalError as KombuOperationalError  # noqa: E402
 
 from celery_orphans.store import Keys, client  # noqa: E402
 from tests.workers import Worker, wait_for  # noqa: E402
@@ -44,6 +48,7 @@ NODE = "throughput@bench"
 VARIANTS = ("plain", "ours")
 KINDS = ("noop", "sleep10ms")
 TARGET = 0.97
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def log(message: str) -> None:
@@ -89,42 +94,122 @@ def start_worker(tmp: Path, extra_env: dict[str, str] | None = None) -> Worker:
     return worker
 
 
-def run_batch(variant: str, kind: str, size: int) -> float:
-    """Queue ``size`` tasks, let the worker drain them, return tasks per second."""
+# Other work shares this machine and this Redis server: a test that cuts every client's connection or
+# pauses Redis, or something that stops our worker, would spoil a run. Such a run is made again, and the
+# output says so.
+CUT = (redis.ConnectionError, redis.TimeoutError, KombuOperationalError, ConnectionError)
+
+
+class WorkerGone(Exception):
+    pass
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its descendants (the pool children), from /proc."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+@dataclass(frozen=True)
+class Run:
+    rate: float  # tasks per second
+    cpu_ms: float  # the worker's CPU time per task, all its processes
+
+
+def run_batch(worker: Worker, variant: str, kind: str, size: int) -> Run:
+    """Queue ``size`` tasks, let the worker drain them; its rate and CPU time per task."""
     name = TASKS[(variant, kind)]
     queue = f"bench.run.{uuid.uuid4().hex[:8]}"
     prefix = f"tp-{queue}-"
-    with app.producer_or_acquire() as producer:
-        for i in range(size):
-            app.send_task(name, task_id=f"{prefix}{i}", queue=queue, producer=producer)
     runs = TaskResult.objects.filter(task_id__startswith=prefix)
-    app.control.add_consumer(queue, destination=[NODE], reply=True, timeout=5)
-    wait_for(lambda: runs.filter(status="SUCCESS").count() == size, 600, f"{size} {name}", interval=0.25)
-    app.control.cancel_consumer(queue, destination=[NODE], reply=True, timeout=5)
-    # From the first start to the last finish, as the worker recorded them: the up to 1 s the Redis
-    # transport takes to notice a newly added queue is left out.
-    span = runs.aggregate(first=Min("date_started"), last=Max("date_done"))
-    runs.delete()
-    return size / (span["last"] - span["first"]).total_seconds()
+
+    def drained() -> bool:
+        if not worker.is_running():
+            raise WorkerGone("the worker stopped during the run")
+        return runs.filter(status="SUCCESS").count() == size
+
+    try:
+        with app.producer_or_acquire() as producer:
+            for i in range(size):
+                app.send_task(name, task_id=f"{prefix}{i}", queue=queue, producer=producer)
+        cpu = tree_cpu_seconds(worker.pid)
+        app.control.add_consumer(queue, destination=[NODE], reply=True, timeout=5)
+        wait_for(drained, 600, f"{size} {name}", interval=0.25)
+        cpu = tree_cpu_seconds(worker.pid) - cpu
+        # From the first start to the last finish, as the worker recorded them: the up to 1 s the Redis
+        # transport takes to notice a newly added queue is left out.
+        span = runs.aggregate(first=Min("date_started"), last=Max("date_done"))
+        return Run(size / (span["last"] - span["first"]).total_seconds(), 1000 * cpu / size)
+    finally:
+        if worker.is_running():
+            app.control.cancel_consumer(queue, destination=[NODE], reply=True, timeout=5)
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_purge(queue)
+        runs.delete()
+
+
+class Runner:
+    """The worker, started again if something outside stops it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.worker = start_worker(tmp)
+        self.restarts = 0
+
+    def batch(self, variant: str, kind: str, size: int, tries: int = 3) -> Run:
+        for attempt in range(1, tries + 1):
+            if not self.worker.is_running():
+                log("  the worker was stopped from outside; starting it again")
+                self.worker = start_worker(self.tmp)
+                self.restarts += 1
+            try:
+                return run_batch(self.worker, variant, kind, size)
+            except (*CUT, WorkerGone) as exc:
+                if attempt == tries:
+                    raise
+                log(f"  {type(exc).__name__}: {exc}; running this batch again")
+                time.sleep(6)  # outlast a CLIENT PAUSE
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.worker.kill()  # SIGKILL to the process group: the pool children go too
 
 
 def ledger_left() -> int:
     return int(client().zcard(Keys.current().inflight))
 
 
-def measure(trials: int, seconds: float) -> dict[str, Any]:
+def measure(runner: Runner, trials: int, seconds: float, warmups: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for kind in KINDS:
         # Size the batch so that one run takes about ``seconds``.
-        warm = statistics.mean(run_batch(v, kind, 50) for v in VARIANTS for _ in range(2))
+        warm = statistics.mean(runner.batch(v, kind, 50).rate for v in VARIANTS for _ in range(warmups))
         size = max(50, int(warm * seconds))
-        rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[Run]] = {v: [] for v in VARIANTS}
         for trial in range(trials):
             order = VARIANTS if trial % 2 == 0 else VARIANTS[::-1]
             for variant in order:
-                rates[variant].append(run_batch(variant, kind, size))
-            log(f"  {kind} trial {trial + 1}: " + ", ".join(f"{v} {rates[v][-1]:.0f}/s" for v in VARIANTS))
+                runs[variant].append(runner.batch(variant, kind, size))
+            log(
+                f"  {kind} trial {trial + 1}: "
+                + ", ".join(
+                    f"{v} {runs[v][-1].rate:.0f}/s ({runs[v][-1].cpu_ms:.2f} ms CPU/task)" for v in VARIANTS
+                )
+            )
+        rates = {v: [r.rate for r in runs[v]] for v in VARIANTS}
+        cpu = {v: [r.cpu_ms for r in runs[v]] for v in VARIANTS}
         plain, ours = (statistics.median(rates[v]) for v in VARIANTS)
+        plain_cpu, ours_cpu = (statistics.median(cpu[v]) for v in VARIANTS)
         results[kind] = {
             "batch": size,
             "plain_runs": rates["plain"],
@@ -134,10 +219,17 @@ def measure(trials: int, seconds: float) -> dict[str, Any]:
             "ratio": ours / plain,
             # Paired by trial, so slow spells on the shared machine hit both sides.
             "paired_ratio_median": statistics.median(o / p for o, p in zip(rates["ours"], rates["plain"])),
+            # CPU time is far less sensitive to other work on the machine than a rate is.
+            "plain_cpu_ms_per_task": plain_cpu,
+            "ours_cpu_ms_per_task": ours_cpu,
+            "plain_cpu_runs": cpu["plain"],
+            "ours_cpu_runs": cpu["ours"],
         }
         log(
             f"{kind}: batch {size}, plain {plain:.0f}/s, ours {ours:.0f}/s, "
-            f"ours/plain {ours / plain:.1%} (paired median {results[kind]['paired_ratio_median']:.1%})"
+            f"ours/plain {ours / plain:.1%} (paired median {results[kind]['paired_ratio_median']:.1%}); "
+            f"worker CPU per task plain {plain_cpu:.2f} ms, ours {ours_cpu:.2f} ms "
+            f"({ours_cpu / plain_cpu - 1:+.1%})"
         )
     return results
 
@@ -157,11 +249,13 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     TaskResult.objects.filter(task_id__startswith="tp-").delete()
     tmp = Path(tempfile.mkdtemp(prefix="celery-orphans-throughput-"))
-    worker = start_worker(tmp)
+    client().flushdb()  # db 13 is ours alone: no key of an earlier run, or of an older package version
+    runner = Runner(tmp)
     try:
-        results = measure(trials, seconds)
+        results = measure(runner, trials, seconds, warmups=1 if args.quick else 2)
     finally:
-        worker.kill()  # SIGKILL to the process group: the pool children go too
+        runner.close()
+    results["worker_restarted_from_outside"] = runner.restarts
     results["ledger_entries_left"] = ledger_left()
     results["trials"] = trials
     results["quick"] = args.quick
