@@ -1,18 +1,28 @@
-"""The audit log in the admin: readable by whoever may view it, changeable by no one."""
+"""The audit log in the admin, readable by whoever may view it and changeable by no one, and the
+in-flight view: every running task with the sweep's verdict, and the actions an operator may take."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, QuerySet
-from django.http import HttpRequest
-from django.urls import NoReverseMatch, reverse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django_celery_results.models import TaskResult
 
-from celery_orphans.models import OrphanEvent
+from celery_orphans import views
+from celery_orphans.models import OrphanEvent, Trigger
+
+# The in-flight page lists this many tasks (oldest first); the counts above it cover every one.
+IN_FLIGHT_SHOWN = 500
+ACTIONS = {"recover": "Recover now", "mark_terminal": "Mark terminal"}
+_LEVELS = {"done": messages.SUCCESS, "refused": messages.WARNING, "failed": messages.ERROR}
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[OrphanEvent]
@@ -40,6 +50,45 @@ class OrphanEventAdmin(_ModelAdmin):
     list_display_links = None
     list_filter = ("action", "reason", "trigger", "task_name", "worker", "created_at")
     search_fields = ("task_id",)
+    change_list_template = "celery_orphans/admin/orphanevent_change_list.html"
+
+    def get_urls(self) -> list[URLPattern]:
+        # Before the model's own patterns, whose "<path:object_id>/" would take "in-flight/".
+        in_flight = path(
+            "in-flight/", self.admin_site.admin_view(self.in_flight_view), name="celery_orphans_inflight"
+        )
+        return [in_flight, *super().get_urls()]
+
+    def in_flight_view(self, request: HttpRequest) -> HttpResponse:
+        """Every running task with the verdict of one dry-run sweep; the actions need the permission."""
+        can_act = request.user.has_perm(views.PERMISSION)
+        if not (can_act or self.has_view_permission(request)):
+            raise PermissionDenied
+        if request.method == "POST":
+            if not can_act:
+                raise PermissionDenied
+            _act(request)
+            return HttpResponseRedirect(request.get_full_path())
+        try:
+            rows, error = views.in_flight(Trigger.ADMIN), None
+        except views.SWEEP_ERRORS as exc:
+            rows, error = [], f"Could not judge the running tasks: {exc}"
+        shown = rows[:IN_FLIGHT_SHOWN]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "In-flight tasks",
+            "opts": self.model._meta,
+            "rows": shown,
+            "hidden": len(rows) - len(shown),
+            "counts": [
+                (verdict.value.replace("_", " "), count)
+                for verdict, count in Counter(r.verdict for r in rows).most_common()
+            ],
+            "error": error,
+            "can_act": can_act,
+            "actions": ACTIONS,
+        }
+        return TemplateResponse(request, "celery_orphans/admin/in_flight.html", context)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[OrphanEvent]:
         # One subquery for the whole page decides which task ids get a link, instead of a query per row.
@@ -79,3 +128,32 @@ class OrphanEventAdmin(_ModelAdmin):
         # The list shows every field (the detail as a tooltip); a per-object page would be a change form
         # with nothing to change, so it is refused like the others.
         return obj is None and super().has_view_permission(request)
+
+
+def _act(request: HttpRequest) -> None:
+    """Carry out the chosen action on the selected tasks and say what became of each."""
+    action = request.POST.get("action", "")
+    if action not in ACTIONS:
+        messages.error(request, "Choose an action.")
+        return
+    selected = request.POST.getlist("task_id")
+    if not selected:
+        messages.warning(request, "Select the tasks to act on; nothing was done.")
+        return
+    try:
+        task_ids = views.clean_task_ids(selected)
+    except ValueError as exc:
+        messages.error(request, f"{exc}; nothing was done.")
+        return
+    try:
+        results = views.act(
+            task_ids,
+            mark_terminal=action == "mark_terminal",
+            trigger=Trigger.ADMIN,
+            user=request.user.get_username(),
+        )
+    except views.SWEEP_ERRORS as exc:
+        messages.error(request, f"{ACTIONS[action]}: nothing was done: {exc}")
+        return
+    for result in results:
+        messages.add_message(request, _LEVELS[result.level], result.message)

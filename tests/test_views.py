@@ -1,0 +1,294 @@
+"""The JSON endpoints: status for dashboards and the sweep lever; guarded, CSRF-protected, rate-limited."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.conf import settings as django_settings
+from django.contrib.auth.models import Permission
+from django.middleware.csrf import get_token
+from django.test import Client, RequestFactory
+from django.urls import reverse
+from django_celery_results.models import TaskResult
+from kombu.exceptions import OperationalError
+
+from celery_orphans import views
+from celery_orphans.leases import Heartbeat
+from celery_orphans.models import OrphanEvent
+from tests import factories
+from tests.test_admin import event, sweep_lock_held_elsewhere
+
+STATUS = reverse("celery_orphans:status")
+SWEEP = reverse("celery_orphans:sweep")
+UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"
+
+pytestmark = pytest.mark.usefixtures("redis_client")
+
+
+def user(django_user_model, name: str = "ops", *, allowed: bool = True):
+    made = django_user_model.objects.create_user(name, password="pw")
+    if allowed:
+        made.user_permissions.set(Permission.objects.filter(codename="recover_orphans"))
+    return made
+
+
+@pytest.fixture
+def ops(client, django_user_model) -> Client:
+    client.force_login(user(django_user_model))
+    return client
+
+
+def post(client: Client, body: object = None, **headers: str):
+    data = "" if body is None else json.dumps(body)
+    return client.post(SWEEP, data, content_type="application/json", headers=headers)
+
+
+def status_of(task_id: str) -> str:
+    return TaskResult.objects.get(task_id=task_id).status
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", [STATUS, SWEEP])
+def test_anonymous_requests_get_401_json(client, url):
+    response = client.get(url) if url == STATUS else post(client, {})
+
+    assert response.status_code == 401
+    assert response.json() == {"error": "authentication required"}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", [STATUS, SWEEP])
+def test_users_without_the_permission_get_403_json(client, django_user_model, url):
+    client.force_login(user(django_user_model, allowed=False))
+    orphan = factories.orphan()
+
+    response = client.get(url) if url == STATUS else post(client, {"task_ids": [orphan]})
+
+    assert response.status_code == 403
+    assert "celery_orphans.recover_orphans" in response.json()["error"]
+    assert status_of(orphan) == "STARTED"
+
+
+@pytest.mark.django_db
+def test_each_endpoint_allows_only_its_method(ops):
+    assert ops.post(STATUS).status_code == 405
+    refused = ops.get(SWEEP)
+    assert refused.status_code == 405
+    assert refused["Allow"] == "POST"
+
+
+@pytest.mark.django_db
+def test_status_counts_running_tasks_and_orphans_by_verdict(ops, settings):
+    settings.CELERY_ORPHANS_LEASE_SECONDS = 60
+    Heartbeat("beating@test", boot="dead-boot").renew()  # its boot beats, so its task is alive
+    factories.orphan(worker="beating@test")
+    factories.orphan()
+    factories.orphan("demoapp.scan", ("db",))
+    factories.orphan(started_ago=0.5)
+    event(task_id="latest", triggered_by="alice", trigger="admin")
+
+    response = ops.get(STATUS)
+
+    assert response.status_code == 200
+    body = response.json()
+    zero = {verdict.value: 0 for verdict in views.Verdict}
+    assert body["in_flight"] == {
+        **zero,
+        "total": 4,
+        "alive": 1,
+        "in_grace": 1,
+        "will_recover": 1,
+        "not_recoverable": 1,
+    }
+    assert body["orphans"] == {**zero, "total": 2, "will_recover": 1, "not_recoverable": 1}
+    assert body["leases"] == 1
+    assert body["last_sweep"] is None
+    assert body["last_action"]["task_id"] == "latest"
+    assert body["last_action"]["triggered_by"] == "alice"
+    assert body["enabled"] is True
+    assert response["Cache-Control"].startswith("max-age=0")
+
+
+@pytest.mark.django_db
+def test_status_is_503_when_redis_cannot_be_reached(ops, settings):
+    settings.CELERY_ORPHANS_REDIS_URL = UNREACHABLE_REDIS
+
+    response = ops.get(STATUS)
+
+    assert response.status_code == 503
+    assert "Redis" in response.json()["error"]
+
+
+@pytest.mark.django_db
+def test_the_sweep_post_is_refused_without_a_csrf_token(django_user_model):
+    strict = Client(enforce_csrf_checks=True)
+    strict.force_login(user(django_user_model))
+    orphan = factories.orphan()
+
+    refused = post(strict, {"task_ids": [orphan]})
+
+    assert refused.status_code == 403
+    assert status_of(orphan) == "STARTED"
+    assert not OrphanEvent.objects.exists()
+
+    request = RequestFactory().get("/")
+    token = get_token(request)
+    strict.cookies[django_settings.CSRF_COOKIE_NAME] = request.META["CSRF_COOKIE"]
+    accepted = post(strict, {"task_ids": [orphan]}, **{"X-CSRFToken": token})
+
+    assert accepted.status_code == 200
+    assert status_of(orphan) == "RETRY"
+
+
+@pytest.mark.django_db
+def test_posting_task_ids_recovers_them_and_audits_the_user(ops, redis_client):
+    orphan = factories.orphan()
+
+    response = post(ops, {"task_ids": [orphan]})
+
+    assert response.status_code == 200
+    [result] = response.json()["results"]
+    assert result["status"] == "recovered"
+    assert result["level"] == "done"
+    assert "attempt 1" in result["message"]
+    assert status_of(orphan) == "RETRY"
+    assert redis_client.llen("celery") == 1  # the message is on its queue again
+    recorded = OrphanEvent.objects.get(task_id=orphan)
+    assert (recorded.action, recorded.trigger, recorded.triggered_by) == ("recovered", "api", "ops")
+
+
+@pytest.mark.django_db
+def test_posting_task_ids_never_marks_a_non_recoverable_task_terminal(ops):
+    scan = factories.orphan("demoapp.scan", ("db",))
+
+    response = post(ops, {"task_ids": [scan, "no-such-task"]})
+
+    results = {r["task_id"]: r for r in response.json()["results"]}
+    assert results[scan]["status"] == "not_recoverable"
+    assert results[scan]["level"] == "refused"
+    assert "not marked @recoverable" in results[scan]["message"]
+    assert results["no-such-task"]["status"] == "not_found"
+    assert status_of(scan) == "STARTED"
+    assert not OrphanEvent.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body", [None, {}])
+def test_posting_no_task_ids_runs_a_whole_sweep(ops, body):
+    summarize, scan = factories.orphan(), factories.orphan("demoapp.scan", ("db",))
+
+    response = post(ops, body)
+
+    assert response.status_code == 200
+    outcomes = {o["task_id"]: o for o in response.json()["outcomes"]}
+    assert (outcomes[summarize]["action"], outcomes[summarize]["done"]) == ("recover", True)
+    assert (outcomes[scan]["action"], outcomes[scan]["done"]) == ("mark_terminal", True)
+    assert (status_of(summarize), status_of(scan)) == ("RETRY", "FAILURE")
+    assert set(OrphanEvent.objects.values_list("trigger", "triggered_by")) == {("api", "ops")}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        (b"not json", "must be JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"task_ids": "abc"}', "list"),
+        (b'{"task_ids": []}', "non-empty list"),
+        (b'{"task_ids": [1]}', "string"),
+        (b'{"task_ids": [""]}', "1 to 255"),
+        (json.dumps({"task_ids": ["x" * 256]}).encode(), "1 to 255"),
+        (json.dumps({"task_ids": [str(i) for i in range(1001)]}).encode(), "at most 1000"),
+        (b'{"task_ids": ["a"], "mark_terminal": true}', "unknown fields: mark_terminal"),
+    ],
+)
+def test_a_malformed_body_is_a_400_and_does_nothing(ops, body, complaint):
+    orphan = factories.orphan()
+
+    response = ops.post(SWEEP, body, content_type="application/json")
+
+    assert response.status_code == 400
+    assert complaint in response.json()["error"]
+    assert status_of(orphan) == "STARTED"
+
+
+@pytest.mark.django_db
+def test_posts_beyond_the_rate_limit_get_429_with_retry_after(ops, client, django_user_model):
+    for _ in range(views.RATE_LIMIT.hits):
+        assert post(ops, {"task_ids": ["no-such-task"]}).status_code == 200
+
+    limited = post(ops, {"task_ids": ["no-such-task"]})
+
+    assert limited.status_code == 429
+    assert 1 <= int(limited["Retry-After"]) <= views.RATE_LIMIT.seconds
+    assert limited.json()["retry_after"] == int(limited["Retry-After"])
+    other = Client()
+    other.force_login(user(django_user_model, "other"))
+    assert post(other, {"task_ids": ["no-such-task"]}).status_code == 200  # counted per user
+
+
+@pytest.mark.django_db
+def test_a_held_sweep_lock_is_a_409(ops):
+    orphan = factories.orphan()
+
+    with sweep_lock_held_elsewhere():
+        response = post(ops, {"task_ids": [orphan]})
+
+    assert response.status_code == 409
+    assert "lock" in response.json()["error"]
+    assert status_of(orphan) == "STARTED"
+
+
+@pytest.mark.django_db
+def test_nothing_is_changed_while_recovery_is_switched_off(ops, settings):
+    settings.CELERY_ORPHANS_ENABLED = False
+    orphan = factories.orphan()
+
+    for body in ({"task_ids": [orphan]}, {}):
+        response = post(ops, body)
+        assert response.status_code == 409
+        assert "CELERY_ORPHANS_ENABLED is off" in response.json()["error"]
+    assert status_of(orphan) == "STARTED"
+
+
+@pytest.mark.django_db
+def test_the_sweep_post_is_503_when_redis_cannot_be_reached(ops, settings):
+    orphan = factories.orphan()
+    settings.CELERY_ORPHANS_REDIS_URL = UNREACHABLE_REDIS
+
+    response = post(ops, {"task_ids": [orphan]})
+
+    assert response.status_code == 503
+    assert status_of(orphan) == "STARTED"
+
+
+@pytest.mark.django_db
+def test_in_shadow_mode_a_recovery_is_only_recorded(ops, settings):
+    settings.CELERY_ORPHANS_SHADOW_MODE = True
+    orphan = factories.orphan()
+
+    [result] = post(ops, {"task_ids": [orphan]}).json()["results"]
+
+    assert (result["status"], result["level"]) == ("would_recover", "done")
+    assert status_of(orphan) == "STARTED"
+    recorded = OrphanEvent.objects.get(task_id=orphan)
+    assert (recorded.action, recorded.trigger, recorded.triggered_by) == ("would_recover", "api", "ops")
+
+
+@pytest.mark.django_db
+def test_a_recovery_that_fails_part_way_is_a_503_naming_the_task(ops, monkeypatch):
+    def broker_down(*args: object, **kwargs: object) -> None:
+        raise OperationalError("the broker is down")
+
+    monkeypatch.setattr("celery_orphans.broker.publish", broker_down)
+    orphan = factories.orphan()
+
+    response = post(ops, {"task_ids": [orphan]})
+
+    assert response.status_code == 503
+    [result] = response.json()["results"]
+    assert (result["status"], result["level"]) == ("failed", "failed")
+    assert "the broker is down" in result["message"]
+    assert status_of(orphan) == "STARTED"
+    assert not OrphanEvent.objects.exists()
