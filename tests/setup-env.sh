@@ -3,8 +3,9 @@
 #
 # It makes sure that:
 #   - a virtualenv exists at $VENV (default: .venv in the repository root), made with python3, holding
-#     celery-orphans installed in editable mode with its [test] extra. It is created afresh when missing
-#     or broken, and reinstalled only when pyproject.toml is newer than the stamp file in it;
+#     celery-orphans installed in editable mode with the extras named in $EXTRAS (default: test; CI uses
+#     EXTRAS=test,docs,prometheus). It is created afresh when missing or broken, and reinstalled only when
+#     pyproject.toml is newer than the stamp file in it or $EXTRAS differs from the extras it records;
 #   - PostgreSQL (127.0.0.1:5432), Redis (127.0.0.1:6379) and RabbitMQ (127.0.0.1:5672) answer, starting
 #     whichever does not and waiting (bounded) until it does;
 #   - the PostgreSQL database `test` exists.
@@ -12,6 +13,7 @@
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
+EXTRAS="${EXTRAS:-test}"
 SERVICE_WAIT_SECONDS="${SERVICE_WAIT_SECONDS:-60}"
 
 say() { printf '%s\n' "$*" >&2; }
@@ -26,7 +28,10 @@ quiet_pip_output() {
 setup_venv() {
     local stamp="$VENV/.celery-orphans-installed"
     if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import pip' >/dev/null 2>&1; then
-        if [ -f "$stamp" ] && [ ! "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+        # The stamp records the extras installed; an empty one predates $EXTRAS and means test.
+        local installed
+        installed="$(cat "$stamp" 2>/dev/null)"
+        if [ -f "$stamp" ] && [ ! "$ROOT/pyproject.toml" -nt "$stamp" ] && [ "${installed:-test}" = "$EXTRAS" ]; then
             say "venv: reusing $VENV"
             return 0
         fi
@@ -35,15 +40,15 @@ setup_venv() {
         rm -rf "$VENV"
         python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
     fi
-    say "venv: installing celery-orphans[test] (editable)"
+    say "venv: installing celery-orphans[$EXTRAS] (editable)"
     local log
     log="$(mktemp)"
-    if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -q -e ".[test]") >"$log" 2>&1; then
+    if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]") >"$log" 2>&1; then
         quiet_pip_output "$log"
-        die "pip install -e .[test] failed"
+        die "pip install -e .[$EXTRAS] failed"
     fi
     quiet_pip_output "$log"
-    touch "$stamp"
+    printf '%s' "$EXTRAS" >"$stamp"
 }
 
 # wait_until SECONDS CHECK...: run CHECK every half second until it succeeds or SECONDS pass.
