@@ -1,0 +1,291 @@
+"""What celery-orphans logs: one summary line per sweep, one line per action, and never a password."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+from celery import Celery
+from django.core.management import call_command
+from django.test import override_settings
+from django_celery_results.models import TaskResult
+
+from celery_orphans import sweep
+from celery_orphans.exceptions import LedgerUnavailable
+from celery_orphans.models import Trigger
+from celery_orphans.reconcile import Action
+from tests import factories
+from tests.conftest import _database_url
+from tests.workers import ROOT, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SUMMARY = re.compile(
+    r"^celery-orphans: (?:would have )?recovered (\d+) orphaned tasks, "
+    r"(?:would have )?marked (\d+) terminal, (?:would have )?forgotten (\d+) finished, "
+    r"(\d+) alive or in grace, (\d+) unreadable \(\d+\.\d\ds\)$"
+)
+
+
+def messages(caplog: pytest.LogCaptureFixture, logger: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == logger]
+
+
+# --- one summary line per sweep ------------------------------------------------------------------
+
+
+def three_orphans_and_one_running() -> dict[str, str]:
+    """A recoverable orphan, one that is not, one that already ended, and a task still in grace."""
+    finished = factories.orphan("demoapp.summarize")
+    TaskResult.objects.filter(task_id=finished).update(status="SUCCESS")
+    return {
+        "recover": factories.orphan("demoapp.summarize"),
+        "mark_terminal": factories.orphan("demoapp.scan", ("db",)),
+        "forget": finished,
+        "leave": factories.orphan("demoapp.summarize", started_ago=0),
+    }
+
+
+@pytest.mark.parametrize(("dry_run", "shadow"), [(False, False), (True, False), (False, True)])
+def test_every_sweep_logs_one_summary_line_with_its_counts(redis_client, caplog, dry_run, shadow):
+    three_orphans_and_one_running()
+    with caplog.at_level(logging.DEBUG, logger="celery_orphans"):
+        sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=1, dry_run=dry_run, shadow=shadow))
+
+    (line,) = messages(caplog, "celery_orphans.sweep")
+    assert line.levelno == logging.INFO
+    found = SUMMARY.match(line.getMessage())
+    assert found, line.getMessage()
+    assert [int(n) for n in found.groups()] == [1, 1, 1, 1, 0]
+    assert ("would have recovered" in line.getMessage()) is (dry_run or shadow)
+
+
+def test_a_sweep_with_nothing_to_judge_logs_its_summary_at_debug_level(redis_client, caplog):
+    with caplog.at_level(logging.DEBUG, logger="celery_orphans"):
+        sweep.run(sweep.Options(trigger=Trigger.COMMAND))
+
+    (line,) = messages(caplog, "celery_orphans.sweep")
+    assert line.levelno == logging.DEBUG
+    assert SUMMARY.match(line.getMessage())
+
+
+# --- one line per action -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shadow", [False, True])
+def test_every_action_logs_one_line_with_the_task_id_name_worker_and_reason(redis_client, caplog, shadow):
+    tasks = three_orphans_and_one_running()
+    expected = {
+        tasks["recover"]: ("demoapp.summarize", "recoverable"),
+        tasks["mark_terminal"]: ("demoapp.scan", "not_recoverable"),
+        tasks["forget"]: ("demoapp.summarize", "already_finished"),
+    }
+    with caplog.at_level(logging.INFO, logger="celery_orphans"):
+        sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=1, shadow=shadow))
+
+    lines = [r.getMessage() for r in messages(caplog, "celery_orphans.actions")]
+    assert len(lines) == len(expected)
+    for task_id, (name, reason) in expected.items():
+        (line,) = [line for line in lines if task_id in line]
+        assert f"{name}[{task_id}]" in line
+        assert f"from worker {factories.GHOST}" in line
+        assert reason in line
+        assert line.startswith("celery-orphans: shadow mode: would have ") is shadow
+    assert not any(tasks["leave"] in line for line in lines)
+
+
+# --- no credentials, ever ------------------------------------------------------------------------
+
+PASSWORD = f"s3cret{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True)
+class PrivateRedis:
+    """A Redis server of this test's own that requires ``PASSWORD``."""
+
+    port: int
+
+    def url(self, password: str = PASSWORD, db: int = 0) -> str:
+        return f"redis://:{password}@127.0.0.1:{self.port}/{db}"
+
+    def client(self) -> redis.Redis[bytes]:
+        return redis.Redis.from_url(self.url())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(server: PrivateRedis) -> bool:
+    try:
+        return bool(server.client().ping())
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.fixture
+def private_redis(tmp_path) -> Iterator[tuple[PrivateRedis, subprocess.Popen[bytes]]]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not on PATH: the password tests run a Redis server of their own")
+    server = PrivateRedis(_free_port())
+    process = subprocess.Popen(
+        [
+            *(binary, "--port", str(server.port), "--bind", "127.0.0.1", "--requirepass", PASSWORD),
+            *("--save", "", "--appendonly", "no", "--dir", str(tmp_path)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _answers(server), 15, f"redis-server on port {server.port}")
+        yield server, process
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def unreachable_url() -> str:
+    return f"redis://:{PASSWORD}@127.0.0.1:{_free_port()}/0"
+
+
+def celery_app_with_broker(url: str) -> Celery:
+    """The test project's configuration, with ``url`` as the broker."""
+    app = Celery("password-test", set_as_current=False)
+    app.config_from_object("django.conf:settings", namespace="CELERY")
+    app.conf.broker_url = url
+    return app
+
+
+def assert_no_password(*outputs: str) -> None:
+    for output in outputs:
+        assert PASSWORD not in output
+
+
+def test_a_sweep_that_recovers_through_a_password_protected_redis_logs_no_password(
+    redis_client, private_redis, caplog, capsys
+):
+    server, _ = private_redis
+    app = celery_app_with_broker(server.url())
+    with override_settings(CELERY_ORPHANS_REDIS_URL=server.url()):
+        recovered = factories.orphan("demoapp.summarize")
+        factories.orphan("demoapp.scan", ("db",))
+        with caplog.at_level(logging.DEBUG):
+            report = sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0), app)
+    app.close()
+
+    assert report.count(Action.RECOVER, done_only=True) == 1
+    assert server.client().llen("celery") == 1  # the re-send went through the password-protected broker
+    assert recovered in caplog.text
+    assert_no_password(caplog.text, *capsys.readouterr())
+
+
+@pytest.mark.parametrize("failure", ["unreachable", "wrong_password"])
+def test_a_sweep_that_cannot_reach_redis_logs_no_password(
+    redis_client, private_redis, caplog, capsys, failure
+):
+    server, _ = private_redis
+    redis_url = server.url(password=f"wrong{PASSWORD}") if failure == "wrong_password" else unreachable_url()
+    app = celery_app_with_broker(redis_url)
+    with (
+        override_settings(CELERY_ORPHANS_REDIS_URL=redis_url),
+        caplog.at_level(logging.DEBUG),
+        pytest.raises(LedgerUnavailable) as raised,
+    ):
+        sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0), app)
+    app.close()
+
+    assert_no_password(str(raised.value), repr(raised.value.__cause__), caplog.text, *capsys.readouterr())
+
+
+def run_command(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,  # the test project's CELERY_ORPHANS_REDIS_URL
+        "CELERY_BROKER_URL": redis_url,
+        "DATABASE_URL": _database_url(),
+        "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", "reconcile_orphan_tasks", "-v", "3", *args],
+        cwd=ROOT / "testproject",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_command_prints_no_password_when_it_recovers(redis_client, private_redis):
+    server, _ = private_redis
+    with override_settings(CELERY_ORPHANS_REDIS_URL=server.url()):
+        task_id = factories.orphan("demoapp.summarize")
+
+    result = run_command(server.url(), "--grace-minutes", "0", "--all")
+
+    assert result.returncode == 0, result.stderr
+    assert task_id in result.stdout and "recovered 1 orphaned tasks" in result.stdout
+    assert_no_password(result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("args", [(), ("--dry-run", "--traceback")], ids=["sweep", "dry_run_traceback"])
+def test_the_command_prints_no_password_when_redis_is_unreachable(redis_client, args):
+    result = run_command(unreachable_url(), *args)
+
+    assert result.returncode == 1
+    assert "cannot reach Redis" in result.stderr
+    assert_no_password(result.stdout, result.stderr)
+
+
+@pytest.mark.worker
+def test_a_workers_log_shows_no_password_while_redis_works_and_after_it_goes_away(
+    workers, redis_client, private_redis
+):
+    server, process = private_redis
+    env = {"REDIS_URL": server.url(), "CELERY_BROKER_URL": server.url(), "CELERY_ORPHANS_BOOT_SWEEP": "true"}
+    worker = workers.start("secret@test", env=env)
+    app = celery_app_with_broker(server.url())
+    task_id = app.send_task("demoapp.summarize", args=[[1, 2]]).id
+    wait_for(lambda: f"Task demoapp.summarize[{task_id}] succeeded" in worker.log(), 30, "the task to run")
+    app.close()
+
+    process.send_signal(signal.SIGKILL)  # Redis, broker and ledger both, goes away
+    process.wait(timeout=10)
+    wait_for(lambda: "cannot renew the lease of secret@test" in worker.log(), 30, "the heartbeat to fail")
+    wait_for(lambda: "Cannot connect to redis://" in worker.log(), 30, "the consumer to reconnect")
+    worker.kill()
+
+    log = worker.log()
+    assert "celery-orphans: lease of secret@test" in log  # the worker did log through celery-orphans
+    assert_no_password(log)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="check E001 quotes Celery's result_backend verbatim (f'{backend!r}'), password included, so "
+    "`manage.py check` prints the password of a result backend URL such as redis://:pw@host/1.",
+)
+def test_the_result_backend_check_prints_no_password(monkeypatch, capsys):
+    from django.core.management.base import SystemCheckError
+    from testproject.celery import app
+
+    monkeypatch.setitem(app.conf, "result_backend", f"redis://:{PASSWORD}@127.0.0.1:6379/1")
+    with pytest.raises(SystemCheckError) as raised:
+        call_command("check", tags=["celery_orphans"])
+
+    assert "celery_orphans.E001" in str(raised.value)
+    assert_no_password(str(raised.value), *capsys.readouterr())
