@@ -109,12 +109,20 @@ class InFlight:
 
     @property
     def beat_age_text(self) -> str:
-        if self.beat_age is None:
-            return "no heartbeat on record"
-        seconds = max(0, round(self.beat_age))
-        if seconds < 120:
-            return f"{seconds} s ago"
-        return f"{seconds // 60} min ago" if seconds < 7200 else f"{seconds // 3600} h ago"
+        return "no heartbeat on record" if self.beat_age is None else _ago(self.beat_age)
+
+    @property
+    def started_text(self) -> str:
+        if self.started_at is None:
+            return "—"
+        return _ago((datetime.now(tz=dt_timezone.utc) - self.started_at).total_seconds())
+
+
+def _ago(seconds: float) -> str:
+    whole = max(0, round(seconds))
+    if whole < 120:
+        return f"{whole} s ago"
+    return f"{whole // 60} min ago" if whole < 7200 else f"{whole // 3600} h ago"
 
 
 def in_flight(trigger: Trigger) -> list[InFlight]:
