@@ -255,7 +255,10 @@ def _result(o: sweep.Outcome, wanted: Action, *, shadow: bool, stopped: bool) ->
     if o.error is not None:
         return result("failed", "failed", f"Could not {verb} {ref}: {o.error}. Nothing after it was tried.")
     if d.action is wanted and o.done and shadow:
-        return result(f"would_{wanted.value}", "done", f"Shadow mode: recorded that {ref} would {verb}.")
+        would = "be recovered" if wanted is Action.RECOVER else "be marked terminal"
+        return result(
+            f"would_{wanted.value}", "done", f"Shadow mode: only recorded that {ref} would {would}."
+        )
     if d.action is Action.RECOVER and o.done:
         return result("recovered", "done", f"Recovered {ref} (attempt {d.attempt}): sent again.")
     if d.action is Action.MARK_TERMINAL and o.done:
@@ -272,7 +275,7 @@ def _result(o: sweep.Outcome, wanted: Action, *, shadow: bool, stopped: bool) ->
         why = "it started too recently to judge"
     else:
         why = d.detail or d.reason.value.replace("_", " ")
-    left = "; it was left as it is (use “mark terminal” to close it)"
+    left = "; it was left as it is (close it with the admin's “Mark terminal”)"
     left = left if d.action is Action.MARK_TERMINAL else ""
     return result(d.reason.value, "refused", f"Refused to {verb} {ref}: {why}{left}.")
 
