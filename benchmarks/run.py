@@ -144,6 +144,8 @@ def throughput_rows(data: dict[str, Any]) -> list[Row]:
                     "info",
                 )
             )
+    for label, hook in data.get("hooks", {}).items():
+        rows.append((f"P4 hook: {label}", "info", f"mean {hook['mean_ms']:.2f} ms per task", "info"))
     rows.append(
         (
             "P4 ledger entries left",

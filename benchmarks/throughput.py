@@ -161,16 +161,17 @@ def run_batch(worker: Worker, variant: str, kind: str, size: int) -> Run:
 class Runner:
     """The worker, started again if something outside stops it."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
-        self.worker = start_worker(tmp)
+        self.env = env
+        self.worker = start_worker(tmp, env)
         self.restarts = 0
 
     def batch(self, variant: str, kind: str, size: int, tries: int = 3) -> Run:
         for attempt in range(1, tries + 1):
             if not self.worker.is_running():
                 log("  the worker was stopped from outside; starting it again")
-                self.worker = start_worker(self.tmp)
+                self.worker = start_worker(self.tmp, self.env)
                 self.restarts += 1
             try:
                 return run_batch(self.worker, variant, kind, size)
@@ -234,6 +235,28 @@ def measure(runner: Runner, trials: int, seconds: float, warmups: int) -> dict[s
     return results
 
 
+def profile_hooks(tmp: Path, size: int) -> dict[str, dict[str, float]]:
+    """Wall time of each per-task hook, timed inside a worker running one batch of the @recoverable no-op."""
+    conn = client()
+    for key in conn.scan_iter("bench:hooks:*"):
+        conn.delete(key)
+    runner = Runner(tmp, {"BENCH_TIME_HOOKS": "1"})
+    try:
+        runner.batch("ours", "noop", size)
+    finally:
+        runner.close()
+    stats = {}
+    for key in sorted(conn.scan_iter("bench:hooks:*")):
+        values = sorted(float(v) for v in conn.lrange(key, 0, -1))
+        stats[key.decode().removeprefix("bench:hooks:")] = {
+            "calls": len(values),
+            "mean_ms": 1000 * statistics.mean(values),
+            "median_ms": 1000 * statistics.median(values),
+            "p90_ms": 1000 * values[int(0.9 * (len(values) - 1))],
+        }
+    return stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -241,6 +264,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI size: 2 trials of about 1 s each")
     parser.add_argument("--trials", type=int, default=None, help="runs per variant and task (default 7)")
     parser.add_argument("--seconds", type=float, default=None, help="length of one run (default 4)")
+    parser.add_argument(
+        "--profile-hooks",
+        action="store_true",
+        help="time each per-task hook inside a worker (done anyway when a full-size target is missed)",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
     trials = args.trials or (2 if args.quick else 7)
@@ -256,6 +284,23 @@ def main() -> None:
     finally:
         runner.close()
     results["worker_restarted_from_outside"] = runner.restarts
+    missed = any(results[kind]["ratio"] < TARGET for kind in KINDS)
+    if args.profile_hooks or (missed and not args.quick):
+        noop = results["noop"]
+        results["hooks"] = hooks = profile_hooks(tmp, noop["batch"])
+        log(f"per-task hooks of the @recoverable no-op, timed in the worker ({noop['batch']} tasks):")
+        for label, h in hooks.items():
+            log(
+                f"  {label:<46} mean {h['mean_ms']:.2f} ms, median {h['median_ms']:.2f} ms, "
+                f"p90 {h['p90_ms']:.2f} ms ({h['calls']} calls)"
+            )
+        gap = 1000 / noop["ours"] - 1000 / noop["plain"]
+        main = sum(h["mean_ms"] for label, h in hooks.items() if "main process" in label)
+        log(
+            f"  the worker's time per task grew by {gap:.2f} ms (1/ours - 1/plain); "
+            f"the hooks in its main process take {main:.2f} ms"
+        )
+        results["noop"]["time_per_task_gap_ms"] = gap
     results["ledger_entries_left"] = ledger_left()
     results["trials"] = trials
     results["quick"] = args.quick
