@@ -106,6 +106,13 @@ def _visibility_timeout(conf: Any) -> float | None:
     return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
 
 
+def _shown(value: Any) -> Any:
+    """A URL as it may be printed: its password masked."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(value) if isinstance(value, str) else value
+
+
 def _backend_errors(backend: Any) -> list[checks.CheckMessage]:
     """E001: orphans are found by their STARTED rows in django-celery-results' table."""
     from celery.app.backends import by_name
@@ -124,7 +131,8 @@ def _backend_errors(backend: Any) -> list[checks.CheckMessage]:
     return [
         _message(
             "E001",
-            f"Celery result_backend {backend!r} {problem}; orphans are found by their STARTED rows there.",
+            f"Celery result_backend {_shown(backend)!r} {problem}; orphans are found by their STARTED rows "
+            "there.",
             'Set result_backend = "django-db" (CELERY_RESULT_BACKEND in Django settings) and add '
             '"django_celery_results" to INSTALLED_APPS.',
         )

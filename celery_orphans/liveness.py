@@ -30,7 +30,8 @@ def ask_workers(
     except app.connection_for_write().connection_errors as exc:
         # A pooled broker connection that the broker dropped: once more on a fresh one.
         logger.info("celery-orphans: broker connection lost while asking workers (%s); retrying", exc)
-        app.pool.force_close_all()  # type: ignore[attr-defined]
+        # Close its connections but keep the pool open for everything after this sweep.
+        app.pool.force_close_all(close_pool=False)  # type: ignore[attr-defined]
         replies = inspect.query_task(*task_ids)
     return {
         node: frozenset(held) if isinstance(held, dict) else frozenset()

@@ -138,12 +138,11 @@ def _sweep(app: Celery, options: Options) -> Report:
     except redis.RedisError as exc:
         raise LedgerUnavailable(f"cannot reach Redis for the ledger and leases: {exc}") from exc
     candidates.sort(key=lambda c: (c.started_at or now, c.task_id))
-    decisions = defer_excess(
-        [decide(c, views.get(c.worker) if c.worker else None, policy) for c in candidates],
-        settings.MAX_RECOVERIES_PER_SWEEP,
-    )
+    decisions = [decide(c, views.get(c.worker) if c.worker else None, policy) for c in candidates]
     if options.mark_terminal:
         decisions = [by_operator(d) for d in decisions]
+    # Only recoveries are limited per sweep: an operator closing orphans closes every one chosen.
+    decisions = defer_excess(decisions, settings.MAX_RECOVERIES_PER_SWEEP)
     shadow = options.shadow if options.shadow is not None else settings.SHADOW_MODE
     report = Report(dry_run=options.dry_run, shadow=shadow)
     executor = actions.Executor(app, ledger, options, now)

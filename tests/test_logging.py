@@ -274,11 +274,6 @@ def test_a_workers_log_shows_no_password_while_redis_works_and_after_it_goes_awa
     assert_no_password(log)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check E001 quotes Celery's result_backend verbatim (f'{backend!r}'), password included, so "
-    "`manage.py check` prints the password of a result backend URL such as redis://:pw@host/1.",
-)
 def test_the_result_backend_check_prints_no_password(monkeypatch, capsys):
     from django.core.management.base import SystemCheckError
     from testproject.celery import app
