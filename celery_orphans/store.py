@@ -55,11 +55,18 @@ class Keys:
     def fence(self, task_id: str) -> str:
         return f"{self.prefix}:fence:{task_id}"
 
+    def checkpoint(self, task_id: str) -> str:
+        return f"{self.prefix}:checkpoint:{task_id}"
+
     def lease(self, node: str, boot: str) -> str:
         return f"{self.prefix}:lease:{node}:{boot}"
 
     def boots(self, node: str) -> str:
         return f"{self.prefix}:boots:{node}"
+
+    @property
+    def last_sweep(self) -> str:
+        return f"{self.prefix}:last-sweep"
 
     @property
     def lock(self) -> str:

@@ -100,11 +100,37 @@ def run(options: Options, app: Celery | None = None) -> Report:
     metrics.swept(report.duration)
     (logger.info if report.outcomes else logger.debug)("celery-orphans: %s", report.summary())
     failure = next((o for o in report.outcomes if o.error), None)
+    if not options.dry_run:
+        _remember(options, report, failure)
     if failure is not None:
         raise SweepFailed(
             f"stopped at {failure.task_name}[{failure.decision.task_id}]: {failure.error}", report
         )
     return report
+
+
+def _remember(options: Options, report: Report, failure: Outcome | None) -> None:
+    """Keep the last sweep's time and outcome for status pages (one small Redis hash)."""
+    record: dict[str | bytes, bytes | float | int | str] = {
+        "at": timezone.now().isoformat(),
+        "trigger": str(options.trigger),
+        "ok": "false" if failure else "true",
+        "summary": report.summary(),
+        "error": failure.error or "" if failure else "",
+    }
+    try:
+        client().hset(Keys.current().last_sweep, mapping=record)
+    except redis.RedisError as exc:
+        logger.warning("celery-orphans: could not record the last sweep: %s", exc)
+
+
+def last_sweep() -> dict[str, str | bool] | None:
+    """The last (non-dry-run) sweep: when, what ran it, whether it finished, its summary line."""
+    found = client().hgetall(Keys.current().last_sweep)
+    if not found:
+        return None
+    data = {k.decode(): v.decode() for k, v in found.items()}
+    return {**data, "ok": data.get("ok") == "true"}
 
 
 def _sweep(app: Celery, options: Options) -> Report:

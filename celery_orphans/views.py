@@ -8,8 +8,8 @@ Endpoints, mounted with ``path("orphans/", include("celery_orphans.urls"))``:
 ``GET status/``
     For health checks and dashboards: in-flight tasks counted by verdict, the orphans among them by
     verdict, how many worker boots hold a lease, and the latest audit-log entry as ``last_action``.
-    ``last_sweep`` is always ``null``: a sweep that finds nothing to do leaves no record, so neither its
-    time nor its outcome can be told from the audit log. 503 when Redis or the broker cannot be reached.
+    ``last_sweep`` is the last sweep that was not a dry run (``at``, ``trigger``, ``ok``, ``summary``,
+    ``error``), or ``null`` before the first. 503 when Redis or the broker cannot be reached.
 ``POST sweep/``
     An empty body or ``{}`` runs one sweep now; ``{"task_ids": ["...", ...]}`` recovers only those tasks,
     at once (no grace), refusing live ones and never marking any terminal, with one result per id. 400
@@ -332,7 +332,7 @@ def status(request: HttpRequest) -> HttpResponse:
             "in_flight": {"total": len(rows), **{v.value: by_verdict[v.value] for v in Verdict}},
             "orphans": {"total": sum(orphans.values()), **{v.value: orphans[v.value] for v in Verdict}},
             "leases": lease_count,
-            "last_sweep": None,
+            "last_sweep": sweep.last_sweep(),
             "last_action": last,
         }
     )

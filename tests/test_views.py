@@ -13,7 +13,7 @@ from django.urls import reverse
 from django_celery_results.models import TaskResult
 from kombu.exceptions import OperationalError
 
-from celery_orphans import views
+from celery_orphans import sweep, views
 from celery_orphans.leases import Heartbeat
 from celery_orphans.models import OrphanEvent
 from tests import factories
@@ -103,7 +103,7 @@ def test_status_counts_running_tasks_and_orphans_by_verdict(ops, settings):
     }
     assert body["orphans"] == {**zero, "total": 2, "will_recover": 1, "not_recoverable": 1}
     assert body["leases"] == 1
-    assert body["last_sweep"] is None
+    assert body["last_sweep"] is None  # no sweep has run yet (the status view's is a dry run)
     assert body["last_action"]["task_id"] == "latest"
     assert body["last_action"]["triggered_by"] == "alice"
     assert body["enabled"] is True
@@ -292,3 +292,16 @@ def test_a_recovery_that_fails_part_way_is_a_503_naming_the_task(ops, monkeypatc
     assert "the broker is down" in result["message"]
     assert status_of(orphan) == "STARTED"
     assert not OrphanEvent.objects.exists()
+
+
+def test_status_reports_the_last_sweep_that_was_not_a_dry_run(ops, redis_client):
+    from celery_orphans.models import Trigger
+
+    factories.orphan()
+    sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
+
+    last = ops.get(STATUS).json()["last_sweep"]
+
+    assert last["trigger"] == "command"
+    assert last["ok"] is True
+    assert last["summary"].startswith("recovered 1 orphaned tasks")
