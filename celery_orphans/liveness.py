@@ -24,15 +24,16 @@ def ask_workers(
     """
     if not nodes or not task_ids:
         return {}
-    inspect = app.control.inspect(destination=sorted(nodes), timeout=timeout)
+    destination = sorted(nodes)
     try:
-        replies = inspect.query_task(*task_ids)
+        replies = app.control.inspect(destination=destination, timeout=timeout).query_task(*task_ids)
     except app.connection_for_write().connection_errors as exc:
-        # A pooled broker connection that the broker dropped: once more on a fresh one.
+        # A pooled broker connection that the broker dropped: once more, on a connection of our own
+        # (emptying the shared pool instead would leave later acquires waiting for ever).
         logger.info("celery-orphans: broker connection lost while asking workers (%s); retrying", exc)
-        # Close its connections but keep the pool open for everything after this sweep.
-        app.pool.force_close_all(close_pool=False)  # type: ignore[attr-defined]
-        replies = inspect.query_task(*task_ids)
+        with app.connection_for_write() as conn:
+            inspect = app.control.inspect(destination=destination, timeout=timeout, connection=conn)
+            replies = inspect.query_task(*task_ids)
     return {
         node: frozenset(held) if isinstance(held, dict) else frozenset()
         for node, held in (replies or {}).items()

@@ -94,10 +94,12 @@ def test_worker_whose_broker_connections_are_cut_and_restored_is_not_recovered(w
     worker = workers.start("cut@test")
     result = summarize.delay([3], seconds=12)
     started_on(result.id, "cut@test")
-    # Every connection but this test's own Redis clients: the worker's, and the test's broker link.
+    # Every connection to this suite's Redis database but this test's own Redis clients: the worker's,
+    # and the test's broker link (other databases belong to other work on the machine).
     mine = {str(redis_client.client_id())}
+    db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
     for client in redis_client.client_list():
-        if client["id"] not in mine and client.get("name") != "celery-orphans":
+        if client["db"] == db and client["id"] not in mine and client.get("name") != "celery-orphans":
             redis_client.client_kill_filter(_id=client["id"])
     wait_for(
         lambda: "Connected to redis" in worker.log().split("ready.")[-1] or result.ready(),
