@@ -21,6 +21,7 @@ from django.db import DatabaseError, transaction
 from kombu.exceptions import KombuError, OperationalError
 
 from celery_orphans import audit, broker, leases, metrics, rows, signals
+from celery_orphans.checkpoints import CheckpointStore
 from celery_orphans.conf import settings
 from celery_orphans.ledger import Entry, Ledger
 from celery_orphans.reconcile import Action, Candidate, Decision, Reason
@@ -46,13 +47,17 @@ class Executor:
         self.ledger = ledger
         self.options = options
         self.now = now
+        self._checkpoints = CheckpointStore(ledger.client, ledger.keys)
 
     def carry_out(self, outcome: Outcome, candidate: Candidate, entry: Entry | None) -> Outcome:
         decision = outcome.decision
+        saved = None
         try:
             with transaction.atomic():
                 if decision.action is Action.RECOVER:
                     assert entry is not None  # decide() recovers only with an entry
+                    # Read before the claim: once the message is sent, a failure here must not undo it.
+                    saved = self._checkpoints.last_saved(decision.task_id)
                     decision = self._recover(decision, candidate, entry)
                 elif decision.action is Action.MARK_TERMINAL:
                     self._mark_terminal(decision, candidate, entry, outcome.worker)
@@ -64,6 +69,7 @@ class Executor:
                     worker=outcome.worker,
                     trigger=self.options.trigger,
                     user=self.options.user,
+                    checkpoint=saved,
                 )
         except Moved:
             logger.info(
@@ -172,6 +178,15 @@ class Executor:
         broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag if entry else None)
         # After commit, so no worker reads a half-written state when it handles the revoke.
         transaction.on_commit(lambda: _revoke_quietly(self.app, decision.task_id))
+        # The task never runs again: nothing will resume from its checkpoint.
+        transaction.on_commit(lambda: self._forget_checkpoint_quietly(decision.task_id))
+
+    def _forget_checkpoint_quietly(self, task_id: str) -> None:
+        try:
+            self._checkpoints.forget(task_id)
+        except redis.RedisError as exc:
+            # Harmless: it expires after CHECKPOINT_TTL_SECONDS.
+            logger.warning("celery-orphans: could not remove the checkpoint of %s: %s", task_id, exc)
 
 
 def _revoke_quietly(app: Celery, task_id: str) -> None:

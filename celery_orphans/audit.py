@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from celery_orphans.checkpoints import Saved
 from celery_orphans.models import Action as AuditAction
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Decision
@@ -19,7 +20,14 @@ _SHADOWED = {
 
 
 def record(
-    decision: Decision, *, task_name: str, worker: str, trigger: Trigger, user: str = "", shadow: bool = False
+    decision: Decision,
+    *,
+    task_name: str,
+    worker: str,
+    trigger: Trigger,
+    user: str = "",
+    shadow: bool = False,
+    checkpoint: Saved | None = None,
 ) -> OrphanEvent:
     return OrphanEvent.objects.create(
         task_id=decision.task_id,
@@ -32,6 +40,8 @@ def record(
         attempt=decision.attempt,
         trigger=trigger,
         triggered_by=user[:150],
+        checkpoint_saved_at=checkpoint.at if checkpoint else None,
+        checkpoint_bytes=checkpoint.size if checkpoint else None,
     )
 
 

@@ -206,6 +206,18 @@ class Settings:
         "Recover at most this many per sweep, oldest first; the rest wait for the next. None: no limit.",
     )
     KEY_PREFIX = Setting("KEY_PREFIX", _key_prefix, "celery_orphans", "Prefix of every Redis key.")
+    CHECKPOINT_TTL_SECONDS = Setting(
+        "CHECKPOINT_TTL_SECONDS",
+        positive_int,
+        604_800,
+        "How long a task's checkpoint is kept after its last save, so an abandoned one goes away.",
+    )
+    CHECKPOINT_MAX_BYTES = Setting(
+        "CHECKPOINT_MAX_BYTES",
+        positive_int,
+        65_536,
+        "Largest checkpoint, in bytes of JSON, that Checkpoint.save() accepts.",
+    )
 
     def all(self) -> tuple[Setting[Any], ...]:
         return tuple(v for v in vars(type(self)).values() if isinstance(v, Setting))

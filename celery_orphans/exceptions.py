@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from celery.exceptions import Ignore
+
 
 class CeleryOrphansError(Exception):
     """Base class for errors raised by celery-orphans."""
@@ -13,6 +15,18 @@ class SweepLocked(CeleryOrphansError):
 
 class LedgerUnavailable(CeleryOrphansError):
     """Redis/Valkey could not be reached, so the sweep stopped rather than act without a count."""
+
+
+class CheckpointTooLarge(CeleryOrphansError, ValueError):
+    """A checkpoint was larger than ``CELERY_ORPHANS_CHECKPOINT_MAX_BYTES``; nothing was saved."""
+
+
+class CheckpointFenced(CeleryOrphansError, Ignore):
+    """A newer execution of the task owns its id now; this one must stop.
+
+    Raised by ``Checkpoint.save()``. It is a Celery ``Ignore``, so left uncaught it ends the stale
+    execution without writing a result or sending ``task_failure`` over the newer execution's state.
+    """
 
 
 class TaskOrphaned(Exception):

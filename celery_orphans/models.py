@@ -37,6 +37,12 @@ class OrphanEvent(models.Model):
     attempt = models.PositiveIntegerField(null=True, blank=True)
     trigger = models.CharField(max_length=32, choices=Trigger.choices)
     triggered_by = models.CharField(max_length=150, blank=True)
+    checkpoint_saved_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the recovered task last saved a checkpoint; empty if never."
+    )
+    checkpoint_bytes = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Size of that checkpoint, in bytes of JSON."
+    )
 
     class Meta:
         ordering = ("-created_at", "-id")

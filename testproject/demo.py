@@ -188,6 +188,9 @@ def main() -> None:
         for name, task_id in (("summarize", summary.id), ("scan", ticket.id)):
             events = [e.split(":")[0] for e in runs(task_id)]
             say(f"executions of {name}: {events.count('start')} started, {events.count('finish')} finished")
+
+        worker, steps_id, killed_after = kill_a_checkpointing_task(worker, log)
+        show_it_resumed(steps_id, killed_after)
     finally:
         if worker is not None and worker.poll() is None:
             worker.send_signal(signal.SIGTERM)
@@ -198,6 +201,58 @@ def main() -> None:
         if private_redis is not None:
             private_redis.terminate()
             private_redis.wait()
+
+
+# -- Last step: a long task resumes from its checkpoint ----------------------------------------------
+
+STEPS = 100
+
+
+def kill_a_checkpointing_task(
+    worker: subprocess.Popen[bytes], log: Path
+) -> tuple[subprocess.Popen[bytes], str, int]:
+    """Kill the worker part way through a task that saves a checkpoint after every step; restart it."""
+    from demoapp.tasks import count_steps, steps_executed
+
+    print(flush=True)
+    say("--- a long task resumes from its checkpoint ---")
+    result = count_steps.delay(STEPS, seconds=0.05)
+    say(f"sent count_steps({STEPS})[{result.id}]: 0.05s a step, a checkpoint saved after each")
+    deadline = time.monotonic() + 60
+    while steps_executed(result.id) < 40:
+        if time.monotonic() > deadline:
+            sys.exit(f"count_steps did not get going; see {log}")
+        time.sleep(0.02)
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    killed_after = steps_executed(result.id)
+    say(f"SIGKILL the worker after step {killed_after}")
+    log.write_text(log.read_text() + "celery-orphans-demo-start\n")
+    worker = start_worker(log)
+    say(f"worker restarted under the same name (pid {worker.pid}); its boot sweep recovers the task")
+    return worker, result.id, killed_after
+
+
+def show_it_resumed(task_id: str, killed_after: int) -> None:
+    from celery.result import AsyncResult
+    from demoapp.tasks import runs, steps_executed
+
+    from celery_orphans.models import OrphanEvent
+
+    say(f"count_steps -> {AsyncResult(task_id).get(timeout=60)} (same id {task_id})")
+    starts = [e.split(":")[0] for e in runs(task_id) if e.startswith("start")]
+    resumed_at = int(starts[-1].split("@")[1])
+    say(f"runs: {', '.join(starts)} - the recovered run went on from step {resumed_at + 1}, not from 1")
+    say(
+        f"steps executed in all: {steps_executed(task_id)} for {STEPS} "
+        f"({killed_after} before the kill, {STEPS - resumed_at} after)"
+    )
+    event = OrphanEvent.objects.get(task_id=task_id)
+    saved_at = f"{event.checkpoint_saved_at:%H:%M:%S.%f}"[:-3] if event.checkpoint_saved_at else "never"
+    say(
+        f"audit: {event.action} (attempt {event.attempt}); its last checkpoint, "
+        f"{event.checkpoint_bytes} bytes, was saved at {saved_at} UTC"
+    )
 
 
 if __name__ == "__main__":

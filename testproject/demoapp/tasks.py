@@ -14,6 +14,7 @@ from billiard import current_process
 from celery import shared_task
 from django.conf import settings
 
+import celery_orphans
 from celery_orphans import recoverable
 
 
@@ -140,3 +141,34 @@ def spin(self: Any, seconds: float) -> int:
         count += 1
     _record(self.request.id, "finish")
     return count
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.count_steps", max_retries=1)
+def count_steps(
+    self: Any, steps: int, seconds: float = 0.0, retry_at: int | None = None, fail_at: int | None = None
+) -> int:
+    """Counts to ``steps``, saving a checkpoint after each step, so a recovered run resumes.
+
+    Each run records ``start@<checkpoint it resumed from>``; every step executed increments
+    ``demo:steps:<task id>``. ``retry_at`` makes the first run retry (Celery's retry) at that step,
+    ``fail_at`` makes any run fail there.
+    """
+    checkpoint = celery_orphans.checkpoint(self)
+    done = checkpoint.value or 0
+    _record(self.request.id, f"start@{done}")
+    for step in range(done + 1, steps + 1):
+        if step == retry_at and self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        if step == fail_at:
+            raise ValueError(f"failed at step {step}")
+        _sleep_steps(seconds)
+        _redis().incr(f"demo:steps:{self.request.id}")
+        checkpoint.save(step)
+    _record(self.request.id, "finish")
+    return steps
+
+
+def steps_executed(task_id: str) -> int:
+    """How many steps every run of a ``count_steps`` task executed, together."""
+    return int(_redis().get(f"demo:steps:{task_id}") or 0)
