@@ -43,6 +43,8 @@ class OrphanEventAdmin(_ModelAdmin):
         "reason_with_detail",
         "evidence",
         "attempt",
+        "checkpoint_saved_at",
+        "checkpoint_bytes",
         "trigger",
         "triggered_by",
     )
