@@ -234,28 +234,3 @@ def test_lock_held_by_a_sweep_process_that_is_killed_mid_sweep_is_released(
 
     assert report.count(Action.RECOVER, done_only=True) == ORPHANS
     assert_each_recovered_exactly_once(orphans, redis_client)
-
-
-# --- chaos -------------------------------------------------------------------------------------------
-
-
-@pytest.mark.worker
-def test_chaos_every_task_finishes_exactly_once_while_workers_are_killed_at_random(
-    workers: Any, redis_client: Any, tmp_path: Any
-) -> None:
-    """The CI size of benchmarks/chaos.py: 120 tasks on 3 workers, one SIGKILLed every ~3 s."""
-    from benchmarks import chaos
-
-    env = {**workers.env, "CELERY_ORPHANS_ENABLED": "true", "TESTPROJECT_VISIBILITY_TIMEOUT": "30"}
-
-    result = chaos.run(
-        tasks=120, kill_every=3, workdir=tmp_path, env=env, sweep_every=1, seed=7, timeout=150, say=print
-    )
-
-    print("\n".join(result.lines()))
-    assert result.kills >= 5
-    assert result.success == result.tasks
-    assert result.finished_per_task == {1: result.tasks}
-    assert result.unexplained_extra_starts == 0
-    assert result.stale_copy_executions == 0
-    assert result.marked_terminal == 0
