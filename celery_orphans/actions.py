@@ -52,9 +52,14 @@ class Executor:
     def carry_out(self, outcome: Outcome, candidate: Candidate, entry: Entry | None) -> Outcome:
         decision = outcome.decision
         saved = None
+        completing = decision.reason is Reason.ALREADY_SENT
+        first_record = True
         try:
             with transaction.atomic():
-                if decision.action is Action.RECOVER:
+                if completing:
+                    assert entry is not None  # decide() says already sent only of an entry
+                    first_record = self._complete(decision, candidate, entry)
+                elif decision.action is Action.RECOVER:
                     assert entry is not None  # decide() recovers only with an entry
                     # Read before the claim: once the message is sent, a failure here must not undo it.
                     saved = self._checkpoints.last_saved(decision.task_id)
@@ -63,14 +68,15 @@ class Executor:
                     self._mark_terminal(decision, candidate, entry, outcome.worker)
                 else:
                     self._claim(decision.task_id, candidate, entry, "forget")
-                audit.record(
-                    decision,
-                    task_name=outcome.task_name,
-                    worker=outcome.worker,
-                    trigger=self.options.trigger,
-                    user=self.options.user,
-                    checkpoint=saved,
-                )
+                if first_record:
+                    audit.record(
+                        decision,
+                        task_name=outcome.task_name,
+                        worker=outcome.worker,
+                        trigger=self.options.trigger,
+                        user=self.options.user,
+                        checkpoint=saved,
+                    )
         except Moved:
             logger.info(
                 "celery-orphans: %s[%s] changed while the sweep looked at it; left for the next sweep",
@@ -89,8 +95,10 @@ class Executor:
             return dataclasses.replace(outcome, decision=decision, error=f"{type(exc).__name__}: {exc}")
         done = dataclasses.replace(outcome, decision=decision, done=True)
         logger.info("celery-orphans: %s", describe(done))
-        self._count(done, entry)
-        signals.announce(done, self.options.trigger)
+        if not completing:  # the sweep that sent it counted it
+            self._count(done, entry)
+        if first_record:  # announced when the recovery's record is committed, once
+            signals.announce(done, self.options.trigger)
         return done
 
     def _count(self, outcome: Outcome, entry: Entry | None) -> None:
@@ -98,11 +106,17 @@ class Executor:
         if d.action is Action.MARK_TERMINAL:
             metrics.marked_terminal(outcome.task_name, d.reason.value)
         elif d.action is Action.RECOVER and entry is not None:
+            metrics.recovered(outcome.task_name, d.evidence.value, self._since_last_beat(entry))
+
+    def _since_last_beat(self, entry: Entry) -> float | None:
+        # The action is done by now: a metric that cannot be measured must not undo it.
+        try:
             beats = leases.last_beats([(entry.node, entry.boot)], self.ledger.client)
-            last = beats.get((entry.node, entry.boot))
-            metrics.recovered(
-                outcome.task_name, d.evidence.value, None if last is None else time.time() - last
-            )
+        except redis.RedisError as exc:
+            logger.warning("celery-orphans: could not read the last heartbeat of %s: %s", entry.node, exc)
+            return None
+        last = beats.get((entry.node, entry.boot))
+        return None if last is None else time.time() - last
 
     def shadow(self, outcome: Outcome) -> Outcome:
         """Shadow mode: audit what would be done (once per task), change nothing else."""
@@ -142,7 +156,7 @@ class Executor:
             raise Moved  # it ended after the sweep read its row: nothing to send again
         broker.publish(
             self.app,
-            entry.delivery,
+            entry,
             {
                 "attempt": attempt,
                 "recovered_at": self.now.isoformat(),
@@ -151,6 +165,7 @@ class Executor:
                 "boot": entry.boot,
             },
         )
+        self._mark_sent_quietly(decision.task_id, entry.token)
         if entry.delivery.delivery_tag:
             broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag)
         # Only once the row's move to RETRY is committed: should this process die before that, the
@@ -158,11 +173,29 @@ class Executor:
         transaction.on_commit(lambda: self._release_quietly(decision.task_id, entry.token))
         return decision
 
+    def _mark_sent_quietly(self, task_id: str, token: str) -> None:
+        try:
+            self.ledger.mark_sent(task_id, token)
+        except redis.RedisError as exc:
+            # The message is out: failing the recovery now would roll back the record that it was sent,
+            # which is what the next sweep reads instead of this mark.
+            logger.warning("celery-orphans: could not record that %s was sent again: %s", task_id, exc)
+
+    def _complete(self, decision: Decision, candidate: Candidate, entry: Entry) -> bool:
+        """Finish a recovery an earlier sweep sent; ``True`` when its record was lost and is written now."""
+        self._claim(decision.task_id, candidate, entry, "complete")
+        # The row's move and the audit row commit together: the audit row tells whether both were kept.
+        lost = not audit.recovery_recorded(decision.task_id, candidate.attempts, entry.recorded_at)
+        if lost:
+            rows.mark_retry(decision.task_id, f"orphaned on {entry.node}: {decision.detail}")
+        transaction.on_commit(lambda: self._release_quietly(decision.task_id, entry.token))
+        return lost
+
     def _release_quietly(self, task_id: str, token: str) -> None:
         try:
             self.ledger.release(task_id, token)
         except redis.RedisError as exc:
-            # Harmless: the next sweep sees the entry, and its claim finds the task already moved on.
+            # Harmless: the fence says the entry was sent again, so the next sweep only removes it.
             logger.warning("celery-orphans: could not remove the old ledger entry of %s: %s", task_id, exc)
 
     def _mark_terminal(
@@ -199,6 +232,11 @@ def _revoke_quietly(app: Celery, task_id: str) -> None:
 def describe(outcome: Outcome) -> str:
     """One log line's worth: what was done to which task, from which worker, and why."""
     d = outcome.decision
+    if d.reason is Reason.ALREADY_SENT:
+        return (
+            f"finished recording recovery {d.attempt} of {outcome.task_name}[{d.task_id}] from worker "
+            f"{outcome.worker or '?'}: {d.reason.value}"
+        )
     attempt = f", attempt {d.attempt}" if d.action is Action.RECOVER else ""
     return (
         f"{_PAST[d.action]} {outcome.task_name}[{d.task_id}] from worker {outcome.worker or '?'}: "

@@ -53,3 +53,24 @@ def record_once(
     if OrphanEvent.objects.filter(task_id=decision.task_id, action=action).exists():
         return None
     return record(decision, task_name=task_name, worker=worker, trigger=trigger, user=user, shadow=shadow)
+
+
+def recovery_recorded(task_id: str, attempt: int, since: float) -> bool:
+    """Whether recovery ``attempt`` of the task was recorded after ``since`` (a Unix time)."""
+    return task_id in recorded_recoveries({task_id: (attempt, since)})
+
+
+def recorded_recoveries(wanted: dict[str, tuple[int, float]]) -> set[str]:
+    """Of ``{task_id: (attempt, since)}``, the tasks whose recovery ``attempt`` was recorded after ``since``.
+
+    ``since`` (when the recovered execution began) keeps an old row of the same attempt number, from
+    before the fence expired and the count began again, from counting.
+    """
+    found = OrphanEvent.objects.filter(task_id__in=list(wanted), action=AuditAction.RECOVERED).values_list(
+        "task_id", "attempt", "created_at"
+    )
+    return {
+        task_id
+        for task_id, attempt, created_at in found
+        if attempt == wanted[task_id][0] and created_at.timestamp() >= wanted[task_id][1]
+    }

@@ -8,20 +8,25 @@ from typing import Any
 
 from celery import Celery
 
-from celery_orphans.ledger import HEADER, Delivery
+from celery_orphans.ledger import HEADER, Entry
 from celery_orphans.reconcile import SAFE_CONTENT_TYPES
 
 logger = logging.getLogger(__name__)
 
 
-def publish(app: Celery, delivery: Delivery, recovery: dict[str, Any]) -> None:
-    """Send the delivery again, byte for byte, with the recovery metadata added to its headers.
+def publish(app: Celery, entry: Entry, recovery: dict[str, Any]) -> None:
+    """Send the entry's delivery again, byte for byte, with the recovery metadata added to its headers.
 
     Same id, same body (arguments, chain, callbacks, errbacks, chord), same exchange and routing key,
     same priority: the re-run takes the place of the lost one.
     """
+    delivery = entry.delivery
     if delivery.content_type not in SAFE_CONTENT_TYPES:
         raise ValueError(f"refusing to send a {delivery.content_type or 'untyped'} message again")
+    # Reading the ledger refuses such an entry already; checked again here because a worker runs what
+    # the headers name, whatever the entry says was recovered.
+    if delivery.headers.get("task") != entry.task_name or delivery.headers.get("id") != entry.task_id:
+        raise ValueError(f"refusing to send a message that does not run {entry.task_name}[{entry.task_id}]")
     headers = {**delivery.headers, HEADER: recovery}
     with app.producer_or_acquire() as producer:
         producer.publish(

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from celery import Celery
 
-from celery_orphans import registry
-from celery_orphans.ledger import Entry, Ledger
+from celery_orphans import audit, registry
+from celery_orphans.ledger import Entry, Fence, Ledger
 from celery_orphans.reconcile import Candidate, WorkerView
 from celery_orphans.rows import Row, rows_by_id, started_rows
 
@@ -39,28 +39,51 @@ def own_tasks(
 
 
 def gather(
-    app: Celery, ledger: Ledger, cutoff: datetime, only: frozenset[str] | None = None
+    app: Celery, ledger: Ledger, cutoff: datetime | None, only: frozenset[str] | None = None
 ) -> tuple[list[Candidate], dict[str, Entry]]:
-    """Every STARTED row and ledger entry older than ``cutoff`` (of the ``only`` ids), merged by task id."""
+    """Every STARTED row and ledger entry older than ``cutoff`` (or all), of the ``only`` ids, by task id."""
     rows = {row.task_id: row for row in started_rows(cutoff, only)}
-    ledger_ids = ledger.older_than(cutoff.timestamp())
+    ledger_ids = ledger.older_than(float("inf") if cutoff is None else cutoff.timestamp())
     if only is not None:
         ledger_ids = [task_id for task_id in ledger_ids if task_id in only]
     extra = [task_id for task_id in ledger_ids if task_id not in rows]
     rows.update(rows_by_id(extra))
     ids = sorted(set(rows) | set(ledger_ids))
     loaded = ledger.load(ids)
-    attempts = ledger.attempts(ids)
+    fences = ledger.fences(ids)
     entries = {task_id: e for task_id, e in loaded.items() if isinstance(e, Entry)}
+    sent = already_sent(entries, fences)
     candidates = [
-        candidate(app, task_id, rows.get(task_id), loaded.get(task_id), attempts.get(task_id, 0))
+        candidate(
+            app, task_id, rows.get(task_id), loaded.get(task_id), fences[task_id].attempts, task_id in sent
+        )
         for task_id in ids
     ]
     return candidates, entries
 
 
+def already_sent(entries: dict[str, Entry], fences: dict[str, Fence]) -> set[str]:
+    """The entries whose delivery a recovery already sent again; only its bookkeeping may be missing.
+
+    The fence says so once the message is out. Should Redis have failed right then, the recovery's
+    audit row, committed with its other bookkeeping, says so instead.
+    """
+    sent = {task_id for task_id, e in entries.items() if fences[task_id].sent_again(e)}
+    unsure = {
+        task_id: (fences[task_id].attempts, e.recorded_at)
+        for task_id, e in entries.items()
+        if task_id not in sent and fences[task_id].claimed_by_latest(e)
+    }
+    return sent | audit.recorded_recoveries(unsure) if unsure else sent
+
+
 def candidate(
-    app: Celery, task_id: str, row: Row | None, entry: Entry | str | None, attempts: int
+    app: Celery,
+    task_id: str,
+    row: Row | None,
+    entry: Entry | str | None,
+    attempts: int,
+    sent_again: bool = False,
 ) -> Candidate:
     """Merge what the row and the ledger entry say about one task."""
     problem = entry if isinstance(entry, str) else None
@@ -87,6 +110,7 @@ def candidate(
         max_attempts=policy.max_attempts if policy else None,
         content_type=entry.delivery.content_type if entry else None,
         problem=problem,
+        sent_again=sent_again and entry is not None,
     )
 
 

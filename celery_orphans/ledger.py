@@ -8,13 +8,16 @@ so a copy of a task that was already recovered (or marked terminal) never runs.
 from __future__ import annotations
 
 import base64
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
 from kombu.utils.json import dumps, loads
 
+from celery_orphans.reconcile import SAFE_CONTENT_TYPES
 from celery_orphans.store import Keys
 
 HEADER = "celery_orphans"
@@ -43,7 +46,9 @@ return 0
 """
 
 # Claims an orphan for one action, only if nothing moved since the sweep looked: the entry still
-# carries the observed token (or is still absent) and the recovery count is unchanged.
+# carries the observed token (or is still absent) and the recovery count is unchanged. A recovery
+# records which entry it claimed ('claimed'), and once its message is out, which entry it sent ('sent'):
+# an entry left behind after that is never sent again, only its bookkeeping is finished ('complete').
 _CLAIM = """
 local token = redis.call('HGET', KEYS[2], 'token')
 if ARGV[1] == '' then
@@ -54,9 +59,14 @@ end
 local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts')) or 0
 if attempts ~= tonumber(ARGV[2]) then return -1 end
 local mode = ARGV[5]
+if mode == 'complete' then
+  if redis.call('HGET', KEYS[1], 'claimed') ~= ARGV[1] then return -1 end
+  return attempts
+end
 if mode == 'recover' then
+  if redis.call('HGET', KEYS[1], 'sent') == ARGV[1] then return -1 end
   attempts = attempts + 1
-  redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[3])
+  redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[3], 'claimed', ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   return attempts
 end
@@ -117,13 +127,111 @@ class Entry:
 
     @classmethod
     def from_json(cls, raw: str | bytes, token: str) -> Entry:
+        """Parse a stored entry; ``ValueError`` says why one cannot be trusted to be sent again as is."""
         data = loads(raw)
         if not isinstance(data, dict) or data.get("version") != ENTRY_VERSION:
             raise ValueError("not a celery-orphans ledger entry of a known version")
-        delivery = data.pop("delivery")
-        if not isinstance(delivery, dict):
-            raise ValueError("ledger entry has no delivery")
-        return cls(delivery=Delivery(**delivery), token=token, **data)
+        _expect_keys("ledger entry", data, _ENTRY_KEYS)
+        for name in ("task_id", "task_name", "node", "boot"):
+            _expect_text(name, data[name])
+        recorded_at = data["recorded_at"]
+        if isinstance(recorded_at, bool) or not isinstance(recorded_at, (int, float)):
+            raise ValueError(f"recorded_at is {type(recorded_at).__name__}, not a timestamp")
+        _timestamp(recorded_at)
+        delivery = _delivery(data["delivery"])
+        # The message is sent again as stored: it must run the task the entry names, under its id, or a
+        # forged entry naming a recoverable task could run any other.
+        if delivery.headers.get("task") != data["task_name"] or delivery.headers.get("id") != data["task_id"]:
+            raise ValueError("its message would run another task or id than the entry names")
+        return cls(
+            task_id=data["task_id"],
+            task_name=data["task_name"],
+            node=data["node"],
+            boot=data["boot"],
+            recorded_at=float(recorded_at),
+            delivery=delivery,
+            token=token,
+        )
+
+
+_ENTRY_KEYS = frozenset({"task_id", "task_name", "node", "boot", "recorded_at", "delivery", "version"})
+_DELIVERY_KEYS = frozenset(f.name for f in fields(Delivery))
+# The properties delivery_from_message keeps, and the types the broker accepts for them.
+_PROPERTY_TYPES: dict[str, type] = {
+    "correlation_id": str,
+    "reply_to": str,
+    "priority": int,
+    "delivery_mode": int,
+}
+
+
+def _expect_keys(what: str, data: dict[str, Any], keys: frozenset[str]) -> None:
+    missing, extra = keys - set(data), set(data) - keys
+    if missing or extra:
+        raise ValueError(f"{what} lacks {sorted(missing)} or has unknown {sorted(extra)}")
+
+
+def _expect_text(name: str, value: object, *, empty: bool = False) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} is {type(value).__name__}, not text")
+    if not value and not empty:
+        raise ValueError(f"{name} is empty")
+
+
+def _timestamp(value: float) -> datetime:
+    try:
+        if not math.isfinite(value):
+            raise ValueError
+        return datetime.fromtimestamp(value, tz=timezone.utc)
+    except (ValueError, OverflowError, OSError):
+        raise ValueError(f"recorded_at {value!r} is not a time") from None
+
+
+def _delivery(data: object) -> Delivery:
+    """A stored delivery whose every field has the type and value publishing it again relies on."""
+    if not isinstance(data, dict):
+        raise ValueError("ledger entry has no delivery")
+    _expect_keys("delivery", data, _DELIVERY_KEYS)
+    for name in ("body", "content_type", "content_encoding", "exchange", "routing_key"):
+        _expect_text(name, data[name], empty=True)
+    if data["delivery_tag"] is not None:
+        _expect_text("delivery_tag", data["delivery_tag"])
+    headers, properties = data["headers"], data["properties"]
+    if not isinstance(headers, dict):
+        raise ValueError(f"headers are {type(headers).__name__}, not an object")
+    retries = headers.get("retries", 0)
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
+        raise ValueError(f"the retries header {retries!r} is not a count")
+    if not isinstance(properties, dict):
+        raise ValueError(f"properties are {type(properties).__name__}, not an object")
+    for name, value in properties.items():
+        expected = _PROPERTY_TYPES.get(name)
+        if expected is None or isinstance(value, bool) or not isinstance(value, expected):
+            raise ValueError(f"message property {name!r} is unknown or of the wrong type")
+    if properties.get("delivery_mode", 2) not in (1, 2):
+        raise ValueError("message property 'delivery_mode' is neither 1 nor 2")
+    delivery = Delivery(**data)
+    _check_body(delivery)
+    return delivery
+
+
+def _check_body(delivery: Delivery) -> None:
+    # Publishing encodes a text body with its content encoding: an encoding that fails here would
+    # fail only after the recovery was claimed. A message of an unsafe type is never published.
+    if delivery.body_encoding not in ("base64", "utf-8"):
+        raise ValueError(f"unknown body encoding {delivery.body_encoding!r}")
+    if delivery.content_type not in SAFE_CONTENT_TYPES:
+        return
+    if delivery.body_encoding == "base64":
+        try:
+            base64.b64decode(delivery.body, validate=True)
+        except ValueError:
+            raise ValueError("the base64 body is not base64") from None
+    else:
+        try:
+            delivery.body.encode(delivery.content_encoding or "utf-8")
+        except (LookupError, UnicodeError):
+            raise ValueError(f"the body cannot be encoded as {delivery.content_encoding!r}") from None
 
 
 def recovery_attempt(headers: dict[str, Any] | None) -> int:
@@ -160,6 +268,21 @@ def delivery_from_message(message: Any) -> Delivery:
     )
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A task's fence: the recoveries made, and the token of the entry the latest one claimed and sent."""
+
+    attempts: int = 0
+    claimed: str | None = None
+    sent: str | None = None
+
+    def sent_again(self, entry: Entry) -> bool:
+        return bool(entry.token) and self.sent == entry.token
+
+    def claimed_by_latest(self, entry: Entry) -> bool:
+        return bool(entry.token) and self.claimed == entry.token
+
+
 class Ledger:
     """Ledger operations against one Redis client and key prefix."""
 
@@ -186,16 +309,36 @@ class Ledger:
     def claim(
         self, task_id: str, *, token: str, attempts: int, retries: int, ttl: int, mode: str
     ) -> int | None:
-        """Atomically take an orphan for ``mode`` (recover, terminal, forget) if nothing moved.
+        """Atomically take an orphan for ``mode`` (recover, complete, terminal, forget) if nothing moved.
 
         For ``recover`` returns the new attempt number (the fence now drops every older copy);
-        otherwise the recovery count. ``None`` when another sweep or a worker got there first.
+        otherwise the recovery count. ``None`` when another sweep or a worker got there first, and for
+        ``recover`` when the entry's delivery was already sent again; for ``complete`` unless the latest
+        recovery claimed this very entry.
         """
         result = self._claim(
             keys=[self.keys.fence(task_id), self.keys.entry(task_id), self.keys.inflight],
             args=[token, attempts, retries, ttl, mode, task_id],
         )
         return None if int(result) < 0 else int(result)
+
+    def mark_sent(self, task_id: str, token: str) -> None:
+        """Record that the delivery of the entry written with ``token`` was sent again."""
+        self.client.hset(self.keys.fence(task_id), "sent", token)
+
+    def fences(self, task_ids: list[str]) -> dict[str, Fence]:
+        """What the latest recovery of each task did: its count, and which entry it claimed and sent."""
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hmget(self.keys.fence(task_id), "attempts", "claimed", "sent")
+        return {
+            task_id: Fence(
+                attempts=int(attempts) if attempts is not None else 0,
+                claimed=claimed.decode() if claimed else None,
+                sent=sent.decode() if sent else None,
+            )
+            for task_id, (attempts, claimed, sent) in zip(task_ids, pipe.execute())
+        }
 
     def older_than(self, cutoff: float) -> list[str]:
         ids = self.client.zrangebyscore(self.keys.inflight, "-inf", cutoff)

@@ -11,7 +11,7 @@ import contextlib
 import zlib
 from collections.abc import Iterator
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from redis.exceptions import LockError
 
 from celery_orphans.exceptions import SweepLocked
@@ -37,12 +37,25 @@ def sweep_lock(using: str = "default") -> Iterator[None]:
             if not acquired:
                 raise SweepLocked("another reconcile sweep holds the lock")
             yield
+            _refuse_lost_transaction(using)
             return
         lock = client().lock(Keys.current().lock, timeout=REDIS_LOCK_SECONDS, blocking=False)
         if not lock.acquire(blocking=False):
             raise SweepLocked("another reconcile sweep holds the lock")
         try:
             yield
+            _refuse_lost_transaction(using)
         finally:
             with contextlib.suppress(LockError):
                 lock.release()
+
+
+def _refuse_lost_transaction(using: str) -> None:
+    # A failure inside an action's savepoint that could not be rolled back (the connection was lost)
+    # dooms the whole transaction; leaving the atomic block would roll it back without a word while
+    # the sweep reports its actions as done.
+    if connections[using].needs_rollback:
+        raise DatabaseError(
+            "the database connection failed part way through the sweep: nothing it recorded was kept; "
+            "the next sweep finds every task again"
+        )

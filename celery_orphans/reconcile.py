@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED", "IGNORED"})
+# How far ahead of the sweep's clock a recorded start may be and still count as "just started": hosts
+# synchronised by NTP differ by far less. Beyond it the start time itself cannot be believed.
+CLOCK_TOLERANCE = timedelta(seconds=5)
 
 
 class Action(str, enum.Enum):
@@ -47,6 +50,7 @@ class Reason(str, enum.Enum):
     DEFERRED = "deferred"  # over the per-sweep recovery limit; next sweep
     BY_OPERATOR = "by_operator"  # a person chose to close it rather than recover it
     ALREADY_FINISHED = "already_finished"
+    ALREADY_SENT = "already_sent"  # an earlier sweep sent it again but could not finish its bookkeeping
     ALIVE = "alive"
     IN_GRACE = "in_grace"
     NO_WORKER = "no_worker"
@@ -83,6 +87,7 @@ class Candidate:
     max_attempts: int | None = None  # the task's own cap, if it set one
     content_type: str | None = None  # of the ledger entry's message
     problem: str | None = None  # why a record could not be read
+    sent_again: bool = False  # its entry's delivery was already sent again, as recovery ``attempts``
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,26 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
         )
     if c.started_at is None:
         return Decision(c.task_id, Action.REPORT, Reason.UNREADABLE, detail="no start time is recorded")
+    if c.started_at > policy.now + CLOCK_TOLERANCE:
+        # A clock that is ahead or a forged record: no age can be judged from it, so nothing is done
+        # until a person looks or the start time is reached.
+        return Decision(
+            c.task_id,
+            Action.REPORT,
+            Reason.UNREADABLE,
+            detail=f"its start time {c.started_at.isoformat()} is in the future: a clock is ahead or the "
+            "record is wrong",
+        )
+    if c.sent_again:
+        # Whatever its worker says now: the message is out and the fence drops the copy the entry
+        # records. Sending it again would be a second publish and a second counted attempt.
+        return Decision(
+            c.task_id,
+            Action.RECOVER,
+            Reason.ALREADY_SENT,
+            detail=f"recovery {c.attempts} was sent by an earlier sweep that could not finish recording it",
+            attempt=c.attempts,
+        )
     if c.started_at > policy.now - policy.grace:
         return Decision(c.task_id, Action.LEAVE, Reason.IN_GRACE)
 
@@ -211,7 +236,7 @@ def defer_excess(decisions: list[Decision], limit: int | None) -> list[Decision]
     kept = 0
     result = []
     for d in decisions:
-        if d.action is Action.RECOVER:
+        if d.action is Action.RECOVER and d.reason is not Reason.ALREADY_SENT:
             if kept >= limit:
                 d = Decision(
                     d.task_id,

@@ -31,11 +31,14 @@ class Row:
     problem: str | None = None
 
 
-def started_rows(cutoff: datetime, only: Iterable[str] | None = None) -> list[Row]:
-    """STARTED rows whose task started before ``cutoff`` (rows without a start time use their creation)."""
-    query = TaskResult.objects.filter(status=states.STARTED).filter(
-        Q(date_started__lte=cutoff) | Q(date_started__isnull=True, date_created__lte=cutoff)
-    )
+def started_rows(cutoff: datetime | None, only: Iterable[str] | None = None) -> list[Row]:
+    """STARTED rows whose task started before ``cutoff``, or all of them (rows without a start time use
+    their creation)."""
+    query = TaskResult.objects.filter(status=states.STARTED)
+    if cutoff is not None:
+        query = query.filter(
+            Q(date_started__lte=cutoff) | Q(date_started__isnull=True, date_created__lte=cutoff)
+        )
     if only is not None:
         query = query.filter(task_id__in=list(only))
     return [_row(values) for values in query.values(*_FIELDS)]

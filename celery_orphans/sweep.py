@@ -23,6 +23,7 @@ from celery_orphans.reconcile import (
     Action,
     Decision,
     Policy,
+    Reason,
     by_operator,
     decide,
     defer_excess,
@@ -76,13 +77,17 @@ class Report:
         return sum(1 for o in self.outcomes if o.decision.action is action and (o.done or not done_only))
 
     def summary(self) -> str:
-        counts = Counter(o.decision.action for o in self.outcomes if o.done or self.dry_run)
+        acted = [o for o in self.outcomes if o.done or self.dry_run]
+        # A recovery sent by an earlier sweep is not counted again when this one finishes recording it.
+        completed = sum(1 for o in acted if o.decision.reason is Reason.ALREADY_SENT)
+        counts = Counter(o.decision.action for o in acted)
         alive = self.count(Action.LEAVE)
         verb = "would have " if self.dry_run or self.shadow else ""
+        finished = f", {verb}finished recording {completed} sent earlier" if completed else ""
         return (
-            f"{verb}recovered {counts[Action.RECOVER]} orphaned tasks, {verb}marked "
+            f"{verb}recovered {counts[Action.RECOVER] - completed} orphaned tasks, {verb}marked "
             f"{counts[Action.MARK_TERMINAL]} terminal, {verb}forgotten {counts[Action.FORGET]} finished, "
-            f"{alive} alive or in grace, {self.count(Action.REPORT)} unreadable"
+            f"{alive} alive or in grace, {self.count(Action.REPORT)} unreadable{finished}"
             f" ({self.duration:.2f}s)"
         )
 
@@ -151,9 +156,9 @@ def _sweep(app: Celery, options: Options) -> Report:
         conn = client()
         ledger = Ledger(conn, Keys.current())
         if options.boot is None:
-            # Everything running is gathered, so a report can show what is still in grace; only the
-            # tasks past it are worth asking workers about.
-            candidates, entries = gather(app, ledger, now, options.task_ids)
+            # Everything running is gathered, so a report can show what is still in grace and what
+            # claims to start in the future; only the tasks past the grace are worth asking workers about.
+            candidates, entries = gather(app, ledger, None, options.task_ids)
             judged = [c for c in candidates if c.started_at is None or c.started_at <= now - grace]
             nodes = {c.worker for c in judged if c.worker}
             views = liveness.observe(

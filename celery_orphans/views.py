@@ -87,6 +87,8 @@ def verdict(d: Decision) -> tuple[Verdict, str]:
             return Verdict.DEFERRED, f"orphan (deferred: {d.detail})"
         return Verdict.ALIVE, "alive"
     if d.action is Action.RECOVER:
+        if d.reason is Reason.ALREADY_SENT:
+            return Verdict.WILL_RECOVER, f"orphan (sent again as recovery {d.attempt}; not yet recorded)"
         return Verdict.WILL_RECOVER, "orphan (will be recovered)"
     if d.action is Action.MARK_TERMINAL:
         if d.reason is Reason.NOT_RECOVERABLE:

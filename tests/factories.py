@@ -47,6 +47,19 @@ def delivery(
     )
 
 
+def ledger_entry(delivery: Delivery, *, node: str = GHOST, recorded_at: float = 0.0) -> Entry:
+    """The ledger entry a worker would write for ``delivery``: its task and id are the message's own."""
+    return Entry(
+        task_id=delivery.headers["id"],
+        task_name=delivery.headers["task"],
+        node=node,
+        boot="dead-boot",
+        recorded_at=recorded_at,
+        delivery=delivery,
+        token=uuid.uuid4().hex,
+    )
+
+
 def orphan(
     name: str = "demoapp.summarize",
     args: tuple[Any, ...] = ([1, 2],),
@@ -71,15 +84,8 @@ def orphan(
             result=json.dumps({"pid": 1, "hostname": worker}),
         )
     if entry:
+        made = delivery(name, task_id, args, content_type=content_type)
         Ledger(client(), Keys.current()).admit(
-            Entry(
-                task_id=task_id,
-                task_name=name,
-                node=worker,
-                boot="dead-boot",
-                recorded_at=started.timestamp(),
-                delivery=delivery(name, task_id, args, content_type=content_type),
-                token=uuid.uuid4().hex,
-            )
+            ledger_entry(made, node=worker, recorded_at=started.timestamp())
         )
     return task_id

@@ -37,7 +37,7 @@ from celery_orphans import actions, broker, liveness, sweep
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.reconcile import Action
+from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
 from tests import factories
 from tests.conftest import _database_url
@@ -47,10 +47,6 @@ from tests.workers import ROOT, wait_for
 QUEUE = "celery"
 ORPHANS = 5
 FAULTED = 3  # the fault strikes at the third orphan's recovery
-
-
-class KnownBug(AssertionError):
-    """A property the package is known to break (see the xfail reasons); raised after every other check."""
 
 
 @pytest.fixture
@@ -177,49 +173,6 @@ def arm(fault: Fault, point: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(broker, "publish", publish_then_fault)
 
 
-_F1 = (
-    "actions.Executor.carry_out calls self._count() after the recovery's savepoint, outside its try; "
-    "_count reads Redis (leases.last_beats), so Redis failing right after a re-send raises a bare "
-    "redis.ConnectionError out of the sweep: sweep_lock's transaction rolls back every row move and audit "
-    "row of the sweep although their messages are out and fences raised, and the next sweep sends them "
-    "again. Fix: catch redis.RedisError in Executor._count (metrics are best effort) or read the last beat "
-    "before the transaction."
-)
-_F2 = (
-    "A recovery releases the old ledger entry only on commit (actions._release_quietly); if Redis is down "
-    "then, the entry stays with its token, and the next sweep's claim (same token, same attempt count) "
-    "succeeds and sends the task again. Harmless for execution (the fence drops the older copy) but it is "
-    "a second publish and a second counted attempt; at the task's cap the next sweep marks it terminal and "
-    "the fence then drops the copy already sent, so the task never runs (see "
-    "test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap). Fix: after broker.publish "
-    "returns, record the sent attempt and the entry token in the fence (HSET fence sent <attempt> token "
-    "<token>); a later claim that finds that token already sent only redoes the bookkeeping (row to RETRY, "
-    "audit, release) without publishing."
-)
-_F3 = (
-    "Every action of a sweep commits in sweep_lock's one transaction (celery_orphans/locks.py), at the end "
-    "of the sweep; when the database connection is lost mid-sweep, the row moves and audit rows of the "
-    "recoveries already sent roll back, and the next sweep sends them again (the fence keeps execution to "
-    "one). Fix: the fence record of the F2 fix (sent attempt + token in Redis) lets the next sweep see "
-    "they were sent; or commit each action on its own while the lock is held on a separate connection."
-)
-
-_F4 = (
-    "When the database connection drops inside a recovery's savepoint (after its message is out), the "
-    "savepoint rollback fails, Django marks sweep_lock's transaction for rollback, and the atomic block "
-    "(celery_orphans/locks.py) then rolls back silently on exit instead of raising; sweep.run raises "
-    "SweepFailed whose report lists the earlier recoveries as done although none was committed. Fix: in "
-    "locks.sweep_lock, before leaving the atomic block, raise DatabaseError when "
-    "connections[using].needs_rollback is set (or let carry_out re-raise a DatabaseError instead of "
-    "recording it as one task's failure)."
-)
-
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("redis", "between_recoveries"): _F2,
-    ("redis", "after_resend"): f"{_F1} Then: {_F2}",
-    ("postgres", "between_recoveries"): _F3,
-    ("postgres", "after_resend"): f"{_F4} Then: {_F3}",
-}
 # What the sweep raises at each fault: something a caller (the command, Beat, the admin) can act on.
 CLEAR_ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "redis": (LedgerUnavailable, sweep.SweepFailed),
@@ -230,14 +183,10 @@ KINDS = ("redis", "postgres", "broker")
 POINTS = ("before_decisions", "between_recoveries", "after_resend")
 
 
-def _case(kind: str, point: str) -> Any:
-    reason = KNOWN_BUGS.get((kind, point))
-    marks = [pytest.mark.xfail(strict=True, raises=KnownBug, reason=reason)] if reason else []
-    return pytest.param(kind, point, marks=marks, id=f"{kind}-{point}")
-
-
 @pytest.mark.worker
-@pytest.mark.parametrize(("kind", "point"), [_case(k, p) for k in KINDS for p in POINTS])
+@pytest.mark.parametrize(
+    ("kind", "point"), [pytest.param(k, p, id=f"{k}-{p}") for k in KINDS for p in POINTS]
+)
 def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
     kind: str,
     point: str,
@@ -252,15 +201,13 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
     ids = [factories.orphan() for _ in range(ORPHANS)]
     fault = Fault(kind, ledger_redis)
     arm(fault, point, monkeypatch)
-    known: list[str] = []
 
     with pytest.raises(Exception) as raised:  # noqa: PT011 - which one is the point of the check below
         sweep_now()
 
     assert fault.struck == [point]
     error = raised.value
-    if not isinstance(error, CLEAR_ERRORS[kind]):
-        known.append(f"the sweep ended with {type(error).__module__}.{type(error).__name__}: {error}")
+    assert isinstance(error, CLEAR_ERRORS[kind]), f"the sweep ended with {type(error).__name__}: {error}"
     if isinstance(error, sweep.SweepFailed):
         # It stopped at the task it could not act on, and kept what it had finished.
         stopped = [o for o in error.report.outcomes if o.error]
@@ -269,8 +216,7 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
         finished = ids[: ids.index(stopped[0].decision.task_id)]
         assert done == finished
         kept = set(TaskResult.objects.filter(status="RETRY").values_list("task_id", flat=True))
-        if kept != set(done):
-            known.append(f"SweepFailed reports {len(done)} recoveries done; the database kept {len(kept)}")
+        assert kept == set(done), "SweepFailed reports recoveries done that the database did not keep"
     fault.clear()
 
     final = sweep_now()  # the fault cleared: the next sweep completes
@@ -282,11 +228,9 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
     assert set(sent) == set(ids)
     assert set(TaskResult.objects.filter(task_id__in=ids).values_list("status", flat=True)) == {"RETRY"}
     assert not OrphanEvent.objects.filter(action="marked_terminal").exists()
-    twice = sorted(task_id for task_id, n in sent.items() if n > 1)
-    if twice:
-        known.append(f"{len(twice)} of {ORPHANS} orphans were sent {max(sent.values())} times: {twice}")
+    assert sent == dict.fromkeys(ids, 1), "an orphan was published more than once"
     recovered = Counter(OrphanEvent.objects.filter(action="recovered").values_list("task_id", flat=True))
-    assert set(recovered) == set(ids)
+    assert recovered == dict.fromkeys(ids, 1), "a recovery was recorded more than once"
 
     # Nothing runs twice: a worker consumes every copy that was sent, and runs each orphan once.
     workers.start("faults@test", env=ledger_env(tmp_path, ledger_redis))
@@ -300,12 +244,8 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
     assert executions == {task_id: ["start", "finish"] for task_id in ids}
     assert Ledger(client(), Keys.current()).count() == 0
 
-    if known:
-        raise KnownBug("; ".join(known))
-
 
 @pytest.mark.worker
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=_F2)
 def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
     workers: Any, ledger_redis: PrivateRedis, redis_client: Any, settings: Any, tmp_path: Path, monkeypatch
 ) -> None:
@@ -333,11 +273,12 @@ def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
         "the recovered copy to be run or dropped",
     )
     outcome = {o.decision.task_id: o for o in second.outcomes}[task_id]
-    if not any(e.startswith("finish") for e in runs(task_id)):
-        raise KnownBug(
-            f"recovered once, then {outcome.decision.action.value} ({outcome.decision.reason.value}) by the "
-            f"next sweep; the copy already sent was dropped: {TaskResult.objects.get(task_id=task_id).status}"
-        )
+    assert (outcome.decision.action, outcome.decision.reason) == (Action.RECOVER, Reason.ALREADY_SENT)
+    wait_for(lambda: any(e.startswith("finish") for e in runs(task_id)), 20, "the copy sent to finish")
+    assert "dropped a stale copy" not in worker.log()
+    assert published(redis_client) == {}  # consumed, and never sent a second time
+    assert OrphanEvent.objects.filter(task_id=task_id, action="recovered").count() == 1
+    assert not OrphanEvent.objects.filter(action="marked_terminal").exists()
 
 
 # --- what a caller sees --------------------------------------------------------------------------
@@ -378,15 +319,6 @@ def test_command_exits_non_zero_with_a_message_when_the_ledger_redis_is_down(
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(
-    strict=True,
-    raises=KombuOperationalError,
-    reason="The reconcile_orphan_tasks command "
-    "(celery_orphans/management/commands/reconcile_orphan_tasks.py) turns LedgerUnavailable, "
-    "ImproperlyConfigured and DatabaseError into a CommandError, but not a broker error: the sweep's "
-    "query_task broadcast failing ends the command with a traceback. Fix: also catch "
-    "kombu.exceptions.KombuError and OSError there (views.SWEEP_ERRORS already does).",
-)
 def test_command_turns_a_broker_failure_into_a_command_error(
     ledger_redis: PrivateRedis, redis_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

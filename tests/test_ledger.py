@@ -34,8 +34,10 @@ def ledger(redis_client: redis.Redis) -> Ledger:
     return Ledger(client(), Keys.current())
 
 
-def delivery(*, retries: int = 0, attempt: int | None = None, body: str = '[[1], {"x": 2}, {}]') -> Delivery:
-    headers: dict[str, Any] = {"id": "t", "task": "demoapp.work", "retries": retries}
+def delivery(
+    *, task_id: str = "t", retries: int = 0, attempt: int | None = None, body: str = '[[1], {"x": 2}, {}]'
+) -> Delivery:
+    headers: dict[str, Any] = {"id": task_id, "task": "demoapp.work", "retries": retries}
     if attempt is not None:
         headers[HEADER] = {"attempt": attempt, "evidence": "no_reply_no_lease"}
     return Delivery(
@@ -44,7 +46,7 @@ def delivery(*, retries: int = 0, attempt: int | None = None, body: str = '[[1],
         content_type="application/json",
         content_encoding="utf-8",
         headers=headers,
-        properties={"correlation_id": "t", "priority": 0},
+        properties={"correlation_id": task_id, "priority": 0},
         exchange="",
         routing_key="celery",
         delivery_tag="7",
@@ -58,7 +60,7 @@ def entry(task_id: str, *, recorded_at: float = 1000.0, token: str | None = None
         node="celery@host",
         boot="boot-a",
         recorded_at=recorded_at,
-        delivery=delivery(**kwargs),
+        delivery=delivery(task_id=task_id, **kwargs),
         token=token if token is not None else uuid.uuid4().hex,
     )
 
@@ -99,7 +101,13 @@ def test_an_entry_round_trips_every_field_of_the_delivery(ledger: Ledger) -> Non
         delivery(retries=2, attempt=1),
         body=base64.b64encode(b"\x00\xff binary").decode(),
         body_encoding="base64",
-        headers={"retries": 2, "nested": {"list": [1, "two", None]}, HEADER: {"attempt": 1}},
+        headers={
+            "id": "t",
+            "task": "demoapp.work",
+            "retries": 2,
+            "nested": {"list": [1, "two", None]},
+            HEADER: {"attempt": 1},
+        },
         delivery_tag=None,
     )
     e = dataclasses.replace(entry("t"), delivery=d, recorded_at=1234.5678)
@@ -198,7 +206,7 @@ def _raw_entry(**changes: Any) -> str:
         pytest.param(_raw_entry(delivery={"body": "x"}), "unreadable ledger entry", id="delivery-incomplete"),
         pytest.param(_raw_entry(surprise=1), "unreadable ledger entry", id="unknown-field"),
         pytest.param(_raw_entry(task_id=_DROP), "unreadable ledger entry", id="no-task-id"),
-        pytest.param(_raw_entry(task_id="other"), "ledger entry names another task id", id="another-task-id"),
+        pytest.param(entry("other").to_json(), "ledger entry names another task id", id="another-task-id"),
         pytest.param(
             _raw_entry(recorded_at={"__type__": "nonsense", "__value__": 1}),
             "unreadable ledger entry",

@@ -114,16 +114,6 @@ def test_a_result_row_alone_never_makes_the_sweep_publish_anything(redis_client:
     assert published(redis_client) == []
 
 
-_HEADERS_HOLE = (
-    "broker.publish (celery_orphans/broker.py) sends the entry's delivery as stored, and nothing checks that "
-    "its headers name the task the entry does: a forged entry that says demoapp.summarize (recoverable) "
-    "while its headers say task=demoapp.scan (or another id, or no task: a protocol-1 message naming it in "
-    "the body) gets demoapp.scan run again. Fix: in Entry.from_json (celery_orphans/ledger.py) raise "
-    "ValueError unless delivery.headers['task'] == task_name and delivery.headers['id'] == task_id, so the "
-    "entry is reported unreadable; and refuse the same mismatch in broker.publish as a last guard."
-)
-
-
 def _run_another_task(data: dict[str, Any]) -> None:
     data["delivery"]["headers"]["task"] = "demoapp.scan"
 
@@ -140,7 +130,6 @@ def _protocol_one(data: dict[str, Any]) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_HEADERS_HOLE)
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     "forge",
@@ -158,7 +147,7 @@ def test_entry_whose_message_would_run_something_else_than_it_names_is_refused(
 
     found = decisions(sweep_now())
 
-    # What should happen: the entry cannot be trusted, so it is reported and nothing is sent.
+    # The entry cannot be trusted, so it is reported and nothing is sent.
     assert published(redis_client) == []
     assert found[task_id] == (Action.REPORT, Reason.UNREADABLE)
 
@@ -201,7 +190,26 @@ def test_publish_itself_refuses_a_message_that_is_not_plain_data(
     delivery = replace(factories.delivery("demoapp.summarize", str(uuid.uuid4())), content_type=content_type)
 
     with pytest.raises(ValueError, match="refusing to send"):
-        broker.publish(app, delivery, {"attempt": 1})
+        broker.publish(app, factories.ledger_entry(delivery), {"attempt": 1})
+
+    assert published(redis_client) == []
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "change",
+    [{"task_name": "demoapp.add"}, {"task_id": "another-id"}],
+    ids=["another-task", "another-id"],
+)
+def test_publish_itself_refuses_a_message_that_runs_another_task_than_recovered(
+    change: dict[str, str], redis_client: Any
+) -> None:
+    from testproject.celery import app
+
+    made = factories.ledger_entry(factories.delivery("demoapp.summarize", str(uuid.uuid4())))
+
+    with pytest.raises(ValueError, match="does not run"):
+        broker.publish(app, replace(made, **change), {"attempt": 1})
 
     assert published(redis_client) == []
 

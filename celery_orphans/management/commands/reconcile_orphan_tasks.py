@@ -10,6 +10,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
+from kombu.exceptions import KombuError
 
 from celery_orphans import sweep
 from celery_orphans.conf import settings
@@ -43,7 +44,7 @@ def _positive_int(value: str) -> int:
 class Command(BaseCommand):
     help = (
         "Find tasks whose worker died: send the @recoverable ones again with the same id, mark the rest "
-        "terminal. Exits 0 when the sweep ran, 1 when it could not (lock held, Redis or database "
+        "terminal. Exits 0 when the sweep ran, 1 when it could not (lock held, Redis, database or broker "
         "unreachable, stopped part way)."
     )
 
@@ -96,6 +97,8 @@ class Command(BaseCommand):
             raise CommandError(f"{exc}; nothing was done") from exc
         except (LedgerUnavailable, ImproperlyConfigured, DatabaseError) as exc:
             raise CommandError(str(exc)) from exc
+        except (KombuError, OSError) as exc:
+            raise CommandError(f"cannot reach the broker to ask the workers: {exc}") from exc
         self._print(report, options)
 
     def _print(self, report: sweep.Report, options: dict[str, Any]) -> None:
