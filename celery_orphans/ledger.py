@@ -194,6 +194,8 @@ def _delivery(data: object) -> Delivery:
     _expect_keys("delivery", data, _DELIVERY_KEYS)
     for name in ("body", "content_type", "content_encoding", "exchange", "routing_key"):
         _expect_text(name, data[name], empty=True)
+    if not data["exchange"] and not data["routing_key"]:
+        raise ValueError("the message names neither an exchange nor a queue")
     if data["delivery_tag"] is not None:
         _expect_text("delivery_tag", data["delivery_tag"])
     headers, properties = data["headers"], data["properties"]

@@ -374,6 +374,9 @@ MISTYPED = [
     pytest.param(("recorded_at",), None, id="recorded-at-null"),
     pytest.param(("node",), ["w1@test"], id="node-a-list"),
     pytest.param(("task_name",), ["demoapp.summarize"], id="task-name-a-list"),
+    pytest.param(("delivery", "routing_key"), "", id="no-queue-named"),
+    pytest.param(("delivery", "content_encoding"), "no-such-codec", id="unknown-content-encoding"),
+    pytest.param(("delivery", "properties"), {"exchange": "x"}, id="property-clashing-with-an-argument"),
 ]
 
 

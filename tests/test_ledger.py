@@ -20,6 +20,7 @@ from celery_orphans.ledger import (
     HEADER,
     Delivery,
     Entry,
+    Fence,
     Ledger,
     delivery_from_message,
     recovery_attempt,
@@ -206,6 +207,12 @@ def _raw_entry(**changes: Any) -> str:
         pytest.param(_raw_entry(delivery={"body": "x"}), "unreadable ledger entry", id="delivery-incomplete"),
         pytest.param(_raw_entry(surprise=1), "unreadable ledger entry", id="unknown-field"),
         pytest.param(_raw_entry(task_id=_DROP), "unreadable ledger entry", id="no-task-id"),
+        pytest.param(
+            _raw_entry(task_name="demoapp.other"), "another task or id", id="headers-name-another-task"
+        ),
+        pytest.param(_raw_entry(node=""), "node is empty", id="no-node"),
+        pytest.param(_raw_entry(recorded_at=True), "not a timestamp", id="recorded-at-a-boolean"),
+        pytest.param(_raw_entry(recorded_at=1e300), "is not a time", id="recorded-at-beyond-any-date"),
         pytest.param(entry("other").to_json(), "ledger entry names another task id", id="another-task-id"),
         pytest.param(
             _raw_entry(recorded_at={"__type__": "nonsense", "__value__": 1}),
@@ -235,6 +242,39 @@ def test_load_reports_an_unreadable_entry_instead_of_raising(
     assert isinstance(found["t"], str)
     assert message in found["t"]
     assert isinstance(found["good"], Entry)  # one bad entry does not hide the others
+
+
+def _delivery_json(**changes: Any) -> str:
+    data = json.loads(entry("t").to_json())
+    data["delivery"].update(changes)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        pytest.param({"headers": {"task": "demoapp.work"}}, "another task or id", id="headers-without-an-id"),
+        pytest.param({"body_encoding": "rot13"}, "unknown body encoding", id="unknown-body-encoding"),
+        pytest.param(
+            {"body_encoding": "base64", "body": "not base64!"}, "not base64", id="base64-body-not-base64"
+        ),
+        pytest.param({"content_encoding": "no-such-codec"}, "cannot be encoded", id="unknown-codec"),
+        pytest.param({"properties": {"priority": "high"}}, "'priority'", id="priority-not-a-number"),
+        pytest.param({"properties": {"routing_key": "x"}}, "'routing_key'", id="unknown-property"),
+        pytest.param({"properties": {"delivery_mode": 7}}, "delivery_mode", id="no-such-delivery-mode"),
+        pytest.param({"exchange": "", "routing_key": ""}, "neither an exchange", id="nowhere-to-send"),
+        pytest.param({"delivery_tag": 7}, "delivery_tag is int", id="delivery-tag-a-number"),
+    ],
+)
+def test_a_delivery_that_could_not_be_sent_again_as_stored_is_unreadable(
+    ledger: Ledger, redis_client: redis.Redis, changes: dict[str, Any], message: str
+) -> None:
+    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": _delivery_json(**changes)})
+
+    found = ledger.load(["t"])["t"]
+
+    assert isinstance(found, str)
+    assert message in found
 
 
 # --- claim and the fence --------------------------------------------------------------------------
@@ -550,3 +590,41 @@ def test_delivery_retries_reads_only_an_integer(retries: object, expected: int) 
     d = dataclasses.replace(delivery(), headers={"retries": retries})
 
     assert d.retries == expected
+
+
+def test_a_recover_claim_records_which_entry_it_claimed_and_sending_records_it_sent(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+
+    assert claim(ledger, "t", "recover", token=e.token) == 1
+    assert ledger.fences(["t"])["t"] == Fence(attempts=1, claimed=e.token, sent=None)
+    ledger.mark_sent("t", e.token)
+
+    fence = ledger.fences(["t", "never-seen"])
+    assert fence == {"t": Fence(attempts=1, claimed=e.token, sent=e.token), "never-seen": Fence()}
+    assert fence["t"].sent_again(e)
+    assert not fence["never-seen"].sent_again(e)
+
+
+def test_an_entry_already_sent_is_never_claimed_for_recovery_again(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    claim(ledger, "t", "recover", token=e.token)
+    ledger.mark_sent("t", e.token)
+
+    assert claim(ledger, "t", "recover", token=e.token, attempts=1) is None
+    assert ledger.attempts(["t"]) == {"t": 1}
+    # Finishing its bookkeeping is allowed, and changes nothing in Redis by itself.
+    assert claim(ledger, "t", "complete", token=e.token, attempts=1) == 1
+    assert ledger.load(["t"]) == {"t": e}
+
+
+def test_completing_is_refused_for_an_entry_the_latest_recovery_did_not_claim(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+
+    assert claim(ledger, "t", "complete", token=e.token) is None  # never claimed
+    claim(ledger, "t", "recover", token=e.token)
+    newer = entry("t", attempt=1)
+    ledger.admit(newer)  # the copy sent again started: its entry is not the claimed one
+    assert claim(ledger, "t", "complete", token=newer.token, attempts=1) is None

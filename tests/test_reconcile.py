@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from celery_orphans.reconcile import (
+    CLOCK_TOLERANCE,
     ORPHAN_EVIDENCE,
     READY_STATES,
     SAFE_CONTENT_TYPES,
@@ -156,13 +157,29 @@ def test_records_that_cannot_be_judged_are_reported_and_left_untouched(
     [
         pytest.param(NOW - GRACE + timedelta(microseconds=1), id="one-microsecond-inside"),
         pytest.param(NOW, id="just-now"),
-        pytest.param(NOW + timedelta(hours=1), id="in-the-future"),
+        pytest.param(NOW + CLOCK_TOLERANCE, id="ahead-by-no-more-than-clocks-differ"),
     ],
 )
 def test_a_task_started_within_the_grace_period_is_left_alone(started_at: datetime) -> None:
     decision = decide(candidate(started_at=started_at), SILENT, policy())
 
     assert decision == Decision(TASK, Action.LEAVE, Reason.IN_GRACE)
+
+
+@pytest.mark.parametrize(
+    "started_at",
+    [
+        pytest.param(NOW + CLOCK_TOLERANCE + timedelta(microseconds=1), id="just-beyond-the-tolerance"),
+        pytest.param(NOW + timedelta(days=400), id="a-year-ahead"),
+    ],
+)
+@pytest.mark.parametrize("view", [SILENT, ANSWERED_EMPTY, HOLDS])
+def test_a_start_in_the_future_is_reported_and_never_acted_on(started_at: datetime, view: WorkerView) -> None:
+    decision = decide(candidate(started_at=started_at, sent_again=True), view, policy(grace=timedelta(0)))
+
+    assert (decision.action, decision.reason) == (Action.REPORT, Reason.UNREADABLE)
+    assert started_at.isoformat() in decision.detail
+    assert "in the future" in decision.detail
 
 
 def test_a_task_exactly_as_old_as_the_grace_period_is_judged() -> None:
@@ -513,6 +530,37 @@ def test_a_zero_limit_defers_every_recovery_and_no_limit_none() -> None:
     assert defer_excess([], 1) == []
 
 
+# --- decide: a recovery already sent ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("view", [SILENT, ANSWERED_EMPTY, HOLDS, None])
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_an_entry_already_sent_again_is_only_recorded_whatever_its_worker_says(
+    view: WorkerView | None, attempts: int
+) -> None:
+    # At the cap too: the copy already sent is the task's last recovery, not one more.
+    c = candidate(sent_again=True, attempts=attempts, started_at=NOW)
+
+    decision = decide(c, view, policy(max_attempts=3))
+
+    assert (decision.action, decision.reason) == (Action.RECOVER, Reason.ALREADY_SENT)
+    assert decision.attempt == attempts
+    assert not decision.orphaned  # an operator's "mark terminal" never fences the copy already sent
+
+
+def test_an_entry_already_sent_is_never_deferred_nor_counted_against_the_limit() -> None:
+    sent = decide(candidate(task_id="s", sent_again=True, attempts=1), SILENT, policy())
+    decisions = [sent, _recover("a"), _recover("b")]
+
+    kept = defer_excess(decisions, 1)
+
+    assert [(d.action, d.reason) for d in kept] == [
+        (Action.RECOVER, Reason.ALREADY_SENT),
+        (Action.RECOVER, Reason.RECOVERABLE),
+        (Action.LEAVE, Reason.DEFERRED),
+    ]
+
+
 # --- invariants over every combination ------------------------------------------------------------
 
 
@@ -527,7 +575,8 @@ VIEWS = [
     None,
 ]
 UNJUDGEABLE = [{"problem": "unreadable"}, {"worker": None}, {"task_name": None}, {"task_known": False}]
-YOUNG = [NOW - GRACE / 2, NOW, NOW + GRACE]
+YOUNG = [NOW - GRACE / 2, NOW, NOW + CLOCK_TOLERANCE]
+FUTURE = [NOW + CLOCK_TOLERANCE * 2, NOW + timedelta(days=1)]
 ALIVE_EVIDENCE = {Evidence.WORKER_HOLDS_TASK, Evidence.NO_REPLY_LEASE_FRESH}
 CAP = 3
 INVARIANT_POLICIES = [
@@ -538,12 +587,13 @@ INVARIANT_POLICIES = [
 
 def test_no_combination_acts_on_a_record_it_cannot_judge_or_a_task_in_grace() -> None:
     gates = [(record, OLD) for record in UNJUDGEABLE] + [({}, None)] + [({}, young) for young in YOUNG]
+    gates += [({}, future) for future in FUTURE]
     axes = itertools.product(gates, [BOOT, None], [None, "STARTED", "SUCCESS"], [True, False], VIEWS)
     for (record, started), boot, status, entry, view in axes:
         c = candidate(started_at=started, boot=boot, row_status=status, has_entry=entry, **record)
         d = decide(c, view, INVARIANT_POLICIES[0])
 
-        if record or started is None:
+        if record or started is None or started > NOW + CLOCK_TOLERANCE:
             assert d.action is Action.REPORT, (c, view, d)
         else:
             assert (d.action, d.reason) == (Action.LEAVE, Reason.IN_GRACE), (c, view, d)
