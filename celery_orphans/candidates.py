@@ -38,25 +38,52 @@ def own_tasks(
     return candidates, entries, {scope.node: view}
 
 
-def gather(
-    app: Celery, ledger: Ledger, cutoff: datetime, only: frozenset[str] | None = None
-) -> tuple[list[Candidate], dict[str, Entry]]:
-    """Every STARTED row and ledger entry older than ``cutoff`` (of the ``only`` ids), merged by task id."""
+@dataclass(frozen=True)
+class Found:
+    """What is running by the result rows and the ledger's index, before any entry is read."""
+
+    rows: dict[str, Row]
+    ledger_ids: list[str]
+
+    def to_ask(self, cutoff: datetime) -> tuple[set[str], list[str]]:
+        """The nodes and ids worth asking about before the entries are read.
+
+        Every id that may be judged (rows started before ``cutoff``, every ledger id), and the node of
+        each such row; an entry naming another node is asked about once the entries are read.
+        """
+        old = [r for r in self.rows.values() if r.started_at is None or r.started_at <= cutoff]
+        ids = {r.task_id for r in old} | set(self.ledger_ids)
+        return {r.worker for r in old if r.worker}, sorted(ids)
+
+
+def find(ledger: Ledger, cutoff: datetime, only: frozenset[str] | None = None) -> Found:
+    """STARTED rows and ledger ids older than ``cutoff`` (of the ``only`` ids): one query, one command."""
     rows = {row.task_id: row for row in started_rows(cutoff, only)}
     ledger_ids = ledger.older_than(cutoff.timestamp())
     if only is not None:
         ledger_ids = [task_id for task_id in ledger_ids if task_id in only]
-    extra = [task_id for task_id in ledger_ids if task_id not in rows]
-    rows.update(rows_by_id(extra))
-    ids = sorted(set(rows) | set(ledger_ids))
-    loaded = ledger.load(ids)
-    attempts = ledger.attempts(ids)
+    return Found(rows, ledger_ids)
+
+
+def merge(app: Celery, ledger: Ledger, found: Found) -> tuple[list[Candidate], dict[str, Entry]]:
+    """Read the entries and recovery counts of what ``find`` found, and merge them with the rows by id."""
+    rows = dict(found.rows)
+    rows.update(rows_by_id([task_id for task_id in found.ledger_ids if task_id not in rows]))
+    ids = sorted(set(rows) | set(found.ledger_ids))
+    loaded, attempts = ledger.load_with_attempts(ids)
     entries = {task_id: e for task_id, e in loaded.items() if isinstance(e, Entry)}
     candidates = [
         candidate(app, task_id, rows.get(task_id), loaded.get(task_id), attempts.get(task_id, 0))
         for task_id in ids
     ]
     return candidates, entries
+
+
+def gather(
+    app: Celery, ledger: Ledger, cutoff: datetime, only: frozenset[str] | None = None
+) -> tuple[list[Candidate], dict[str, Entry]]:
+    """Every STARTED row and ledger entry older than ``cutoff`` (of the ``only`` ids), merged by task id."""
+    return merge(app, ledger, find(ledger, cutoff, only))
 
 
 def candidate(
