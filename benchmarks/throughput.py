@@ -55,14 +55,16 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def start_worker(tmp: Path, extra_env: dict[str, str] | None = None) -> Worker:
+def start_worker(
+    tmp: Path, extra_env: dict[str, str] | None = None, app_module: str = "benchmarks.throughput_app"
+) -> Worker:
     log_path = tmp / "worker.log"
     command = [
         sys.executable,
         "-m",
         "celery",
         "-A",
-        "benchmarks.throughput_app",
+        app_module,
         "worker",
         "-n",
         NODE,
