@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,18 @@ from celery_orphans.store import Keys
 HEADER = "celery_orphans"
 ENTRY_VERSION = 1
 
+# KEYS[1..4]: the task's fence, entry, the in-flight index, its checkpoint. ARGV[1..6]: task id, retries,
+# recovery attempt, token, entry JSON, time. Then, carried along so an acknowledgement costs the worker
+# no round trip of its own: KEYS[5..] entries to remove, ARGV[7..] their token and task id in pairs.
+# Those go first, so an entry being replaced by a new copy of the same task is removed before it is.
 _ADMIT = """
+for i = 5, #KEYS do
+  local j = 7 + 2 * (i - 5)
+  if redis.call('HGET', KEYS[i], 'token') == ARGV[j] then
+    redis.call('DEL', KEYS[i])
+    redis.call('ZREM', KEYS[3], ARGV[j + 1])
+  end
+end
 local f = redis.call('HMGET', KEYS[1], 'attempts', 'retries', 'terminal')
 local attempts = tonumber(f[1]) or 0
 local retries = tonumber(f[2]) or -1
@@ -30,7 +42,7 @@ if f[3] == '1' and msg_retries <= retries then return 0 end
 if msg_retries < retries or (msg_retries == retries and msg_attempt < attempts) then return 0 end
 redis.call('HSET', KEYS[2], 'token', ARGV[4], 'entry', ARGV[5])
 redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
-if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then return 2 end
+if redis.call('EXISTS', KEYS[4]) == 1 then return 2 end
 return 1
 """
 
@@ -207,8 +219,13 @@ class Ledger:
         """Record ``entry`` unless its delivery is a stale copy; ``False`` means drop it."""
         return self.admit_noting_checkpoint(entry)[0]
 
-    def admit_noting_checkpoint(self, entry: Entry) -> tuple[bool, bool]:
-        """``admit``, and whether the task has a checkpoint at that moment, in the same call."""
+    def admit_noting_checkpoint(
+        self, entry: Entry, releases: Sequence[tuple[str, str]] = ()
+    ) -> tuple[bool, bool]:
+        """``admit``, and whether the task has a checkpoint at that moment, in the same call.
+
+        ``releases`` (``(task_id, token)`` pairs) are removed as ``release`` would, first, in that call.
+        """
         d = entry.delivery
         written = int(
             self._admit(
@@ -217,8 +234,17 @@ class Ledger:
                     self.keys.entry(entry.task_id),
                     self.keys.inflight,
                     self.keys.checkpoint(entry.task_id),
+                    *(self.keys.entry(task_id) for task_id, _ in releases),
                 ],
-                args=[entry.task_id, d.retries, d.attempt, entry.token, entry.to_json(), entry.recorded_at],
+                args=[
+                    entry.task_id,
+                    d.retries,
+                    d.attempt,
+                    entry.token,
+                    entry.to_json(),
+                    entry.recorded_at,
+                    *(value for task_id, token in releases for value in (token, task_id)),
+                ],
             )
         )
         return written > 0, written == 2

@@ -73,10 +73,12 @@ class RecoverableRequestMixin:
             return True
         token = uuid.uuid4().hex
         entry = entry_for(req, beat, token)
+        self._orphans_ledger = current = ledger()
+        releases = releaser.take(current)  # finished tasks' entries, removed by the same call
         try:
-            self._orphans_ledger = ledger()
-            admitted, has_checkpoint = self._orphans_ledger.admit_noting_checkpoint(entry)
+            admitted, has_checkpoint = current.admit_noting_checkpoint(entry, releases)
         except redis.RedisError as exc:
+            releaser.give_back(current, releases)
             # Fail open: the task runs, it just cannot be recovered if this worker dies.
             logger.warning("celery-orphans: cannot record %s[%s] in the ledger: %s", req.name, req.id, exc)
             return True
