@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone as dt_timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -72,8 +73,9 @@ def merge(app: Celery, ledger: Ledger, found: Found) -> tuple[list[Candidate], d
     ids = sorted(set(rows) | set(found.ledger_ids))
     loaded, attempts = ledger.load_with_attempts(ids)
     entries = {task_id: e for task_id, e in loaded.items() if isinstance(e, Entry)}
+    tasks = app.tasks  # a property that takes a lock: read once, not once per candidate
     candidates = [
-        candidate(app, task_id, rows.get(task_id), loaded.get(task_id), attempts.get(task_id, 0))
+        candidate(tasks, task_id, rows.get(task_id), loaded.get(task_id), attempts.get(task_id, 0))
         for task_id in ids
     ]
     return candidates, entries
@@ -87,7 +89,7 @@ def gather(
 
 
 def candidate(
-    app: Celery, task_id: str, row: Row | None, entry: Entry | str | None, attempts: int
+    tasks: Mapping[str, Any], task_id: str, row: Row | None, entry: Entry | str | None, attempts: int
 ) -> Candidate:
     """Merge what the row and the ledger entry say about one task."""
     problem = entry if isinstance(entry, str) else None
@@ -98,7 +100,7 @@ def candidate(
     if row and row.problem:
         problem = row.problem
     starts = [t for t in (row.started_at if row else None, _entry_start(entry)) if t is not None]
-    policy = registry.policy_for(name, app) if name else None
+    policy = registry.policy_of(tasks.get(name)) if name else None
     return Candidate(
         task_id=task_id,
         task_name=name,
@@ -108,7 +110,7 @@ def candidate(
         row_status=row.status if row else None,
         has_entry=entry is not None,
         attempts=attempts,
-        task_known=name is not None and registry.is_registered(name, app),
+        task_known=name is not None and name in tasks,
         recoverable=policy is not None,
         group=policy.group if policy else None,
         max_attempts=policy.max_attempts if policy else None,
