@@ -119,7 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=20, help="P1 trials (and P2's unless --p2-trials)")
+    parser.add_argument("--p2-trials", type=int, help="P2 trials (each waits out a lease and a sweep)")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "recovery_time.json")
     args = parser.parse_args()
 
@@ -156,7 +157,7 @@ def main() -> None:
     )
     try:
         p1 = same_name(pool, args.trials)
-        p2 = never_back(pool, args.trials)
+        p2 = never_back(pool, args.p2_trials or args.trials)
     finally:
         os.killpg(beat.pid, signal.SIGTERM)
         beat.wait(timeout=10)

@@ -1,13 +1,19 @@
 """Run every benchmark, then print one table: each target, the measured value, PASS or FAIL.
 
-    python benchmarks/run.py            # full size (about half an hour on two cores)
+    python benchmarks/run.py            # full size (under ten minutes on two cores)
     python benchmarks/run.py --quick    # CI size (under two minutes), every figure still printed
     python benchmarks/run.py --only sweep_scale,throughput
 
+From a fresh clone it sets itself up first: the virtualenv and the services the tests use
+(``tests/setup-env.sh``; it then runs again inside that virtualenv) and the benchmarks' own database.
 Each benchmark runs in its own process and writes its raw results as JSON; this script gathers them into
 ``benchmarks/results/summary.json`` with the machine's load average around each one. It exits 1 when a
 target is missed or a benchmark fails, 0 otherwise. Figures without a target are printed as ``info``;
 a target not judged at ``--quick`` size is ``n/a``.
+
+Recovery time (P1, P2) runs inside the sweep benchmark's process time, alongside the ping-per-worker
+reference: both spend nearly all their time waiting (out lease expiries and sweep intervals, out 1 s ping
+timeouts), neither is CPU-bound, and nothing of ours is timed while they run.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "benchmarks"
 # Our own services: recovery_time.py keeps its own (db `test`, Redis 11) and deletes every result row
 # of the database it is given, so it must never be handed ours.
 OURS = {"DATABASE_URL": "/bench_orphans", "REDIS_URL": "/13"}
+BENCH_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/bench_orphans"
 
 Row = tuple[str, str, str, str]  # benchmark, target, measured, result
 
@@ -68,7 +76,8 @@ def sweep_rows(data: dict[str, Any]) -> list[Row]:
         (
             "P3 reference, same data",
             "info",
-            f"{h['reference']:.1f} s ({h['reference_decisions']['workers_pinged']} pings)",
+            f"{h['reference']:.1f} s ({h['reference_decisions']['workers_pinged']} pings, "
+            f"{h['reference_phases']['ping']:.1f} s of them)",
             "info",
         ),
     )
@@ -92,7 +101,8 @@ def sweep_rows(data: dict[str, Any]) -> list[Row]:
         (
             "P3 real sweep",
             "info",
-            f"{real['median']:.1f} s ({real['decisions'].get('done', 0):,} actions)",
+            f"{real['median']:.1f} s ({real['decisions'].get('done', 0):,} actions, "
+            f"{real.get('rows', h['rows']):,} STARTED rows)",
             "info",
         )
     )
@@ -157,33 +167,55 @@ def throughput_rows(data: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def hygiene_rows(data: dict[str, Any]) -> list[Row]:
+    rows = checks(data)
+    after = data["after"]
+    rows.append(
+        (
+            "P5 setting",
+            "info",
+            f"{data['tasks']:,} tasks in {data['seconds']:.0f} s, ended {data['outcomes']}",
+            "info",
+        )
+    )
+    rows.append(
+        (
+            "P5 ledger Redis used_memory",
+            "info",
+            f"{data['before']['used_memory']:,} -> {after['used_memory']:,} B "
+            f"(client buffers {after['clients_memory']:,} B)",
+            "info",
+        )
+    )
+    return rows
+
+
 def without_ours(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not (k in OURS and v.rstrip("/").endswith(OURS[k]))}
 
 
+# Full size: P1 and P2 trials fit in the reference's three minutes of waiting.
+RECOVERY_FULL = ["--trials", "10", "--p2-trials", "8"]
+RECOVERY_QUICK = ["--trials", "1"]
+
 BENCHMARKS = [
     Benchmark(
-        "recovery_time",
-        "recovery_time.py",
-        ["--trials", "20"],
-        ["--trials", "1"],
-        recovery_rows,
-        without_ours,
+        "recovery_time", "recovery_time.py", RECOVERY_FULL, RECOVERY_QUICK, recovery_rows, without_ours
     ),
     Benchmark("sweep_scale", "sweep_scale.py", [], ["--quick"], sweep_rows),
     Benchmark("throughput", "throughput.py", [], ["--quick"], throughput_rows),
+    Benchmark("hygiene", "hygiene.py", [], ["--quick"], hygiene_rows),
 ]
 
 
-def run(bench: Benchmark, quick: bool, out: Path) -> dict[str, Any]:
+def command_of(bench: Benchmark, quick: bool, out: Path) -> list[str]:
+    sizes = bench.quick if quick else bench.full
+    return [sys.executable, str(HERE / bench.script), *sizes, "--json", str(out)]
+
+
+def run(bench: Benchmark, quick: bool, out: Path, extra: list[str] | None = None) -> dict[str, Any]:
     print(f"\n=== {bench.name} ===", flush=True)
-    command = [
-        sys.executable,
-        str(HERE / bench.script),
-        *(bench.quick if quick else bench.full),
-        "--json",
-        str(out),
-    ]
+    command = command_of(bench, quick, out) + (extra or [])
     before, started = os.getloadavg(), time.monotonic()
     code = subprocess.call(command, cwd=ROOT, env=bench.env(dict(os.environ)))
     record: dict[str, Any] = {
@@ -196,6 +228,76 @@ def run(bench: Benchmark, quick: bool, out: Path) -> dict[str, Any]:
     if code == 0 and out.exists():
         record["results"] = json.loads(out.read_text())
     return record
+
+
+def run_alongside(
+    host: Benchmark, guest: Benchmark, quick: bool, tmp: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``guest`` from inside ``host``'s process while host's reference waits (see the docstring)."""
+    guest_out, log = tmp / f"{guest.name}.json", tmp / f"{guest.name}.log"
+    spec = tmp / f"{guest.name}.alongside.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "command": command_of(guest, quick, guest_out),
+                "env": guest.env(dict(os.environ)),
+                "log": str(log),
+            }
+        )
+    )
+    host_record = run(host, quick, tmp / f"{host.name}.json", ["--alongside", str(spec)])
+    print(f"\n=== {guest.name} (ran alongside {host.name}'s reference) ===\n{_read(log)}", flush=True)
+    alongside = (host_record.get("results") or {}).get("alongside") or {}
+    guest_record: dict[str, Any] = {
+        "command": " ".join(command_of(guest, quick, guest_out)[1:]),
+        "exit_code": alongside.get("exit_code", 1),
+        "seconds": alongside.get("seconds", 0.0),
+        "alongside": host.name,
+        "load_before": host_record["load_before"],
+        "load_after": host_record["load_after"],
+    }
+    if guest_record["exit_code"] == 0 and guest_out.exists():
+        guest_record["results"] = json.loads(guest_out.read_text())
+    return host_record, guest_record
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else "(no output)"
+
+
+def ensure_setup() -> None:
+    """A fresh clone: the virtualenv and services (tests/setup-env.sh), then this script inside it."""
+    found = subprocess.run(
+        ["bash", "-c", 'source tests/setup-env.sh && setup_env >&2 && printf %s "$VENV"'],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if found.returncode != 0:
+        sys.exit("the set-up (tests/setup-env.sh) failed; see above")
+    python = Path(found.stdout.strip()) / "bin" / "python"
+    if Path(sys.prefix).resolve() != python.parent.parent.resolve():
+        os.execv(str(python), [str(python), *sys.argv])
+    ensure_database(os.environ.get("DATABASE_URL") or BENCH_DATABASE_URL)
+
+
+def ensure_database(url: str) -> None:
+    """Create the benchmarks' database when it is missing (``createdb``, through psycopg)."""
+    import psycopg
+
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    with psycopg.connect(
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or 5432,
+        user=parts.username or "postgres",
+        password=parts.password,
+        dbname="postgres",
+        autocommit=True,
+    ) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone() is None:
+            conn.execute(f'CREATE DATABASE "{name}"')
+            print(f"database {name}: created", file=sys.stderr)
 
 
 def table(rows: list[Row]) -> str:
@@ -213,12 +315,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI size: small data, few trials")
     parser.add_argument("--only", help="comma-separated: " + ",".join(b.name for b in BENCHMARKS))
     parser.add_argument("--summary", type=Path, default=HERE / "results" / "summary.json")
+    parser.add_argument("--no-setup", action="store_true", help="skip the virtualenv and database set-up")
     args = parser.parse_args()
     chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only.split(",")]
 
     started = time.monotonic()
+    if not args.no_setup:
+        ensure_setup()
     tmp = Path(tempfile.mkdtemp(prefix="celery-orphans-bench-"))
-    records = {b.name: run(b, args.quick, tmp / f"{b.name}.json") for b in chosen}
+    records: dict[str, dict[str, Any]] = {}
+    names = [b.name for b in chosen]
+    by_name = {b.name: b for b in chosen}
+    if "recovery_time" in names and "sweep_scale" in names:
+        host, guest = run_alongside(by_name["sweep_scale"], by_name["recovery_time"], args.quick, tmp)
+        records["recovery_time"], records["sweep_scale"] = guest, host
+    for bench in chosen:
+        if bench.name not in records:
+            records[bench.name] = run(bench, args.quick, tmp / f"{bench.name}.json")
     rows: list[Row] = []
     for bench in chosen:
         record = records[bench.name]

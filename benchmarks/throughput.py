@@ -55,14 +55,16 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def start_worker(tmp: Path, extra_env: dict[str, str] | None = None) -> Worker:
+def start_worker(
+    tmp: Path, extra_env: dict[str, str] | None = None, app_module: str = "benchmarks.throughput_app"
+) -> Worker:
     log_path = tmp / "worker.log"
     command = [
         sys.executable,
         "-m",
         "celery",
         "-A",
-        "benchmarks.throughput_app",
+        app_module,
         "worker",
         "-n",
         NODE,
@@ -262,8 +264,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="CI size: 2 trials of about 1 s each")
-    parser.add_argument("--trials", type=int, default=None, help="runs per variant and task (default 7)")
-    parser.add_argument("--seconds", type=float, default=None, help="length of one run (default 4)")
+    parser.add_argument("--trials", type=int, default=None, help="runs per variant and task (default 5)")
+    parser.add_argument("--seconds", type=float, default=None, help="length of one run (default 3)")
     parser.add_argument(
         "--profile-hooks",
         action="store_true",
@@ -271,8 +273,8 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
-    trials = args.trials or (2 if args.quick else 7)
-    seconds = args.seconds or (1.0 if args.quick else 4.0)
+    trials = args.trials or (2 if args.quick else 5)
+    seconds = args.seconds or (1.0 if args.quick else 3.0)
 
     call_command("migrate", verbosity=0)
     TaskResult.objects.filter(task_id__startswith="tp-").delete()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone as dt_timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -38,24 +39,45 @@ def own_tasks(
     return candidates, entries, {scope.node: view}
 
 
-def gather(
-    app: Celery, ledger: Ledger, cutoff: datetime | None, only: frozenset[str] | None = None
-) -> tuple[list[Candidate], dict[str, Entry]]:
-    """Every STARTED row and ledger entry older than ``cutoff`` (or all), of the ``only`` ids, by task id."""
+@dataclass(frozen=True)
+class Found:
+    """What is running by the result rows and the ledger's index, before any entry is read."""
+
+    rows: dict[str, Row]
+    ledger_ids: list[str]
+
+    def to_ask(self, cutoff: datetime) -> tuple[set[str], list[str]]:
+        """The nodes and ids worth asking about before the entries are read.
+
+        Every id that may be judged (rows started before ``cutoff``, every ledger id), and the node of
+        each such row; an entry naming another node is asked about once the entries are read.
+        """
+        old = [r for r in self.rows.values() if r.started_at is None or r.started_at <= cutoff]
+        ids = {r.task_id for r in old} | set(self.ledger_ids)
+        return {r.worker for r in old if r.worker}, sorted(ids)
+
+
+def find(ledger: Ledger, cutoff: datetime | None, only: frozenset[str] | None = None) -> Found:
+    """STARTED rows and ledger ids older than ``cutoff`` (or all), of the ``only`` ids, in two reads."""
     rows = {row.task_id: row for row in started_rows(cutoff, only)}
     ledger_ids = ledger.older_than(float("inf") if cutoff is None else cutoff.timestamp())
     if only is not None:
         ledger_ids = [task_id for task_id in ledger_ids if task_id in only]
-    extra = [task_id for task_id in ledger_ids if task_id not in rows]
-    rows.update(rows_by_id(extra))
-    ids = sorted(set(rows) | set(ledger_ids))
-    loaded = ledger.load(ids)
-    fences = ledger.fences(ids)
+    return Found(rows, ledger_ids)
+
+
+def merge(app: Celery, ledger: Ledger, found: Found) -> tuple[list[Candidate], dict[str, Entry]]:
+    """Read the entries and fences of what ``find`` found, and merge them with the rows by id."""
+    rows = dict(found.rows)
+    rows.update(rows_by_id([task_id for task_id in found.ledger_ids if task_id not in rows]))
+    ids = sorted(set(rows) | set(found.ledger_ids))
+    loaded, fences = ledger.load_with_fences(ids)
     entries = {task_id: e for task_id, e in loaded.items() if isinstance(e, Entry)}
     sent = already_sent(entries, fences)
+    tasks = app.tasks  # a property that takes a lock: read once, not once per candidate
     candidates = [
         candidate(
-            app, task_id, rows.get(task_id), loaded.get(task_id), fences[task_id].attempts, task_id in sent
+            tasks, task_id, rows.get(task_id), loaded.get(task_id), fences[task_id].attempts, task_id in sent
         )
         for task_id in ids
     ]
@@ -77,8 +99,15 @@ def already_sent(entries: dict[str, Entry], fences: dict[str, Fence]) -> set[str
     return sent | audit.recorded_recoveries(unsure) if unsure else sent
 
 
+def gather(
+    app: Celery, ledger: Ledger, cutoff: datetime | None, only: frozenset[str] | None = None
+) -> tuple[list[Candidate], dict[str, Entry]]:
+    """Every STARTED row and ledger entry older than ``cutoff`` (or all), of the ``only`` ids, by task id."""
+    return merge(app, ledger, find(ledger, cutoff, only))
+
+
 def candidate(
-    app: Celery,
+    tasks: Mapping[str, Any],
     task_id: str,
     row: Row | None,
     entry: Entry | str | None,
@@ -94,7 +123,7 @@ def candidate(
     if row and row.problem:
         problem = row.problem
     starts = [t for t in (row.started_at if row else None, _entry_start(entry)) if t is not None]
-    policy = registry.policy_for(name, app) if name else None
+    policy = registry.policy_of(tasks.get(name)) if name else None
     return Candidate(
         task_id=task_id,
         task_name=name,
@@ -104,7 +133,7 @@ def candidate(
         row_status=row.status if row else None,
         has_entry=entry is not None,
         attempts=attempts,
-        task_known=name is not None and registry.is_registered(name, app),
+        task_known=name is not None and name in tasks,
         recoverable=policy is not None,
         group=policy.group if policy else None,
         max_attempts=policy.max_attempts if policy else None,

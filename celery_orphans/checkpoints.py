@@ -81,6 +81,12 @@ return 'discarded'
 """
 )
 
+# Request attributes, set per execution. The first is set by the worker's main process when the ledger
+# write found no checkpoint for the task; the second, in the pool process, once this execution read or
+# saved one. With the first and without the second a successful execution has nothing to remove.
+NO_CHECKPOINT = "celery_orphans_no_checkpoint"
+TOUCHED = "celery_orphans_checkpoint_touched"
+
 _REFUSALS = {
     "terminal": "the task was marked terminal",
     "recovered": "the task was recovered and a newer execution owns it",
@@ -159,12 +165,20 @@ class Checkpoint:
         task_id: str | None,
         execution: tuple[int, int],
         store: CheckpointStore | None,
+        request: Any = None,
     ) -> None:
         self.task_name = task_name
         self.task_id = task_id
         self.execution = execution
         self._store = store
+        self._request = request
         self._value = None if store is None or task_id is None else store.load(task_id)
+        if self._value is not None:
+            self._touch()
+
+    def _touch(self) -> None:
+        if self._request is not None:
+            setattr(self._request, TOUCHED, True)
 
     @property
     def value(self) -> Any:
@@ -187,6 +201,7 @@ class Checkpoint:
                 "not the data"
             )
         if self._store is not None and self.task_id is not None:
+            self._touch()  # before the write: a save that reached Redis but timed out still counts
             outcome = self._store.save(self.task_id, self.execution, encoded)
             if outcome != "saved":
                 retries, attempt = self.execution
@@ -214,7 +229,7 @@ def checkpoint(task: Task[Any, Any]) -> Checkpoint:
     execution = execution_of(request)
     if request.id is None or request.called_directly or request.is_eager:
         return Checkpoint(task.name, request.id, execution, store=None)
-    return Checkpoint(task.name, request.id, execution, CheckpointStore(client(), Keys.current()))
+    return Checkpoint(task.name, request.id, execution, CheckpointStore(client(), Keys.current()), request)
 
 
 def discard_finished(task: Any, request: Any, task_id: str | None = None) -> None:
@@ -247,7 +262,14 @@ def discard_finished(task: Any, request: Any, task_id: str | None = None) -> Non
 
 
 def on_task_success(sender: Any = None, **kwargs: Any) -> None:
-    discard_finished(sender, getattr(sender, "request", None))
+    request = getattr(sender, "request", None)
+    # Sent in the process that ran the task, with that execution's own request: if no checkpoint
+    # existed when it began and it saved none, there is nothing to remove (one Redis call saved per
+    # task). Only here: a revoke or a time limit is signalled from the worker's main process, whose
+    # copy of the request never learns of a save.
+    if getattr(request, NO_CHECKPOINT, False) is True and not getattr(request, TOUCHED, False):
+        return
+    discard_finished(sender, request)
 
 
 def on_task_failure(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 
 import redis
 from celery import Celery
@@ -46,15 +47,25 @@ def observe(
     task_ids: Collection[str],
     timeout: float,
     conn: redis.Redis[bytes] | None = None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> dict[str, WorkerView]:
     """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases.
 
     Leases are read before the broadcast and again after it for the nodes that stayed silent, and a
     lease seen fresh either time counts: a heartbeat held up by a Redis pause lands the moment Redis
     answers again, inside the broadcast's wait, so a live worker is not judged by that gap.
+
+    ``meanwhile`` runs in this thread while the broadcast waits for its replies (on a thread of its own,
+    which only waits on the broker's socket).
     """
     before = leases.fresh_boots(nodes, conn, prune=False)
-    held = ask_workers(app, nodes, task_ids, timeout)
+    if meanwhile is None:
+        held = ask_workers(app, nodes, task_ids, timeout)
+    else:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="celery-orphans-ask") as pool:
+            asking = pool.submit(ask_workers, app, nodes, task_ids, timeout)
+            meanwhile()
+            held = asking.result()
     silent = [node for node in nodes if node not in held]
     after = leases.fresh_boots(silent, conn, prune=False) if silent else {}
     fresh = {node: before.get(node, frozenset()) | after.get(node, frozenset()) for node in nodes}

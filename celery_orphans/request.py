@@ -18,14 +18,22 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from celery_orphans import leases
+from celery_orphans.checkpoints import NO_CHECKPOINT
 from celery_orphans.ledger import Entry, Ledger, delivery_from_message, now
+from celery_orphans.releases import releaser
 from celery_orphans.store import Keys, client
 
 logger = logging.getLogger(__name__)
 
 
 def ledger() -> Ledger:
-    return Ledger(client(), Keys.current())
+    return _ledger(client(), Keys.current())
+
+
+@functools.lru_cache(maxsize=16)
+def _ledger(conn: redis.Redis[bytes], keys: Keys) -> Ledger:
+    # One per client and prefix: building a Ledger hashes its Lua scripts, once per task otherwise.
+    return Ledger(conn, keys)
 
 
 def entry_for(request: Any, beat: leases.Heartbeat, token: str) -> Entry:
@@ -46,6 +54,7 @@ class RecoverableRequestMixin:
 
     _orphans_checked: bool = False
     _orphans_token: str | None = None
+    _orphans_ledger: Ledger | None = None
 
     def revoked(self) -> bool:
         if super().revoked():  # type: ignore[misc]
@@ -64,14 +73,21 @@ class RecoverableRequestMixin:
             return True
         token = uuid.uuid4().hex
         entry = entry_for(req, beat, token)
+        self._orphans_ledger = current = ledger()
+        releases = releaser.take(current)  # finished tasks' entries, removed by the same call
         try:
-            admitted = ledger().admit(entry)
+            admitted, has_checkpoint = current.admit_noting_checkpoint(entry, releases)
         except redis.RedisError as exc:
+            releaser.give_back(current, releases)
             # Fail open: the task runs, it just cannot be recovered if this worker dies.
             logger.warning("celery-orphans: cannot record %s[%s] in the ledger: %s", req.name, req.id, exc)
             return True
         if admitted:
             self._orphans_token = token
+            if not has_checkpoint:
+                # Goes to the pool process with the request: no checkpoint to remove when the task
+                # ends unless this execution saves one (one Redis call per task saved).
+                req._request_dict[NO_CHECKPOINT] = True
             return True
         self._orphans_drop_stale(entry)
         return False
@@ -95,10 +111,8 @@ class RecoverableRequestMixin:
         if token is None:
             return
         req: Any = self
-        try:
-            ledger().release(req.id, token)
-        except redis.RedisError as exc:
-            logger.warning("celery-orphans: cannot remove %s[%s] from the ledger: %s", req.name, req.id, exc)
+        # Off the path from this acknowledgement to the next task: see celery_orphans.releases.
+        releaser.release(self._orphans_ledger or ledger(), req.id, token)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         from celery_orphans import pool_loss

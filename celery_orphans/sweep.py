@@ -6,24 +6,26 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import redis
 from celery import Celery, current_app
 from django.utils import timezone
 
 from celery_orphans import actions, leases, liveness, metrics, registry
-from celery_orphans.candidates import BootScope, gather, own_tasks
+from celery_orphans.candidates import BootScope, find, merge, own_tasks
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import CeleryOrphansError, LedgerUnavailable
-from celery_orphans.ledger import Ledger
+from celery_orphans.ledger import Entry, Ledger
 from celery_orphans.locks import sweep_lock
 from celery_orphans.models import Trigger
 from celery_orphans.reconcile import (
     Action,
+    Candidate,
     Decision,
     Policy,
     Reason,
+    WorkerView,
     by_operator,
     decide,
     defer_excess,
@@ -156,14 +158,7 @@ def _sweep(app: Celery, options: Options) -> Report:
         conn = client()
         ledger = Ledger(conn, Keys.current())
         if options.boot is None:
-            # Everything running is gathered, so a report can show what is still in grace and what
-            # claims to start in the future; only the tasks past the grace are worth asking workers about.
-            candidates, entries = gather(app, ledger, None, options.task_ids)
-            judged = [c for c in candidates if c.started_at is None or c.started_at <= now - grace]
-            nodes = {c.worker for c in judged if c.worker}
-            views = liveness.observe(
-                app, nodes, [c.task_id for c in judged], settings.INSPECT_TIMEOUT_SECONDS, conn
-            )
+            candidates, entries, views = _gather_and_ask(app, ledger, now, grace, options.task_ids)
         else:
             candidates, entries, views = own_tasks(app, ledger, options.boot)
     except redis.RedisError as exc:
@@ -191,6 +186,33 @@ def _sweep(app: Celery, options: Options) -> Report:
     if not options.dry_run and not stopped:
         _forget_lapsed_boots({c.worker for c in candidates if c.worker})
     return report
+
+
+def _gather_and_ask(
+    app: Celery, ledger: Ledger, now: datetime, grace: timedelta, only: frozenset[str] | None
+) -> tuple[list[Candidate], dict[str, Entry], dict[str, WorkerView]]:
+    """Everything running, and a view of each worker running something past its grace.
+
+    The broadcast waits for the slowest named node, the whole inspect timeout if one is silent, so it
+    is sent as soon as the rows say whom to ask, and the entries are read and merged during its wait.
+    Everything running is gathered, so a report can show what is still in grace and what claims to start
+    in the future; only the tasks past the grace are worth asking workers about.
+    """
+    timeout, conn = settings.INSPECT_TIMEOUT_SECONDS, ledger.client
+    found = find(ledger, None, only)
+    nodes, ids = found.to_ask(now - grace)
+    merged: list[tuple[list[Candidate], dict[str, Entry]]] = []
+    views = liveness.observe(
+        app, nodes, ids, timeout, conn, meanwhile=lambda: merged.append(merge(app, ledger, found))
+    )
+    candidates, entries = merged[0]
+    judged = [c for c in candidates if c.started_at is None or c.started_at <= now - grace]
+    # Entries that name a node no row named: ask those nodes too (rare: a task without a result row).
+    unasked = {c.worker for c in judged if c.worker and c.worker not in views}
+    if unasked:
+        more = [c.task_id for c in judged if c.worker in unasked]
+        views.update(liveness.observe(app, unasked, more, timeout, conn))
+    return candidates, entries, views
 
 
 def _forget_lapsed_boots(nodes: set[str]) -> None:

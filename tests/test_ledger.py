@@ -157,6 +157,89 @@ def test_releasing_an_absent_entry_is_a_no_op(ledger: Ledger) -> None:
     assert ledger.release("absent", "token") is False
 
 
+def test_release_many_removes_only_the_entries_still_carrying_their_token(ledger: Ledger) -> None:
+    a, b, newer_b = entry("a"), entry("b"), entry("b")
+    ledger.admit(a)
+    ledger.admit(b)
+    ledger.admit(newer_b)  # b delivered again since its release was queued
+
+    assert ledger.release_many([("a", a.token), ("b", b.token)]) == 1
+    assert ledger.load(["a", "b"]) == {"a": None, "b": newer_b}
+    assert inflight(ledger) == {"b"}
+
+
+def test_an_admit_carries_the_releases_of_finished_tasks(ledger: Ledger) -> None:
+    done, rewritten, rewritten_again = entry("done"), entry("again"), entry("again")
+    ledger.admit(done)
+    ledger.admit(rewritten)
+    ledger.admit(rewritten_again)
+    following = entry("next")
+
+    admitted, _ = ledger.admit_noting_checkpoint(
+        following, [("done", done.token), ("again", rewritten.token)]
+    )
+
+    assert admitted
+    assert ledger.load(["done", "again", "next"]) == {
+        "done": None,
+        "again": rewritten_again,
+        "next": following,
+    }
+    assert inflight(ledger) == {"again", "next"}
+
+
+def test_an_admit_removes_the_released_entry_of_the_same_task_before_writing_the_new_one(
+    ledger: Ledger,
+) -> None:
+    first, redelivered = entry("t"), entry("t")
+    ledger.admit(first)
+
+    assert ledger.admit_noting_checkpoint(redelivered, [("t", first.token)])[0]
+    assert ledger.load(["t"]) == {"t": redelivered}
+    assert inflight(ledger) == {"t"}
+
+
+def test_a_refused_copy_still_carries_its_releases(ledger: Ledger) -> None:
+    done = entry("done")
+    ledger.admit(done)
+    claim(ledger, "t", "terminal")
+
+    admitted, _ = ledger.admit_noting_checkpoint(entry("t"), [("done", done.token)])
+
+    assert not admitted
+    assert ledger.load(["done", "t"]) == {"done": None, "t": None}
+
+
+def test_an_admit_tells_whether_the_task_has_a_checkpoint(ledger: Ledger, redis_client: redis.Redis) -> None:
+    assert ledger.admit_noting_checkpoint(entry("t")) == (True, False)
+    redis_client.hset(Keys.current().checkpoint("t"), "value", "1")
+
+    assert ledger.admit_noting_checkpoint(entry("t")) == (True, True)
+
+
+def test_load_with_fences_reads_entries_and_fences_in_chunks(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("celery_orphans.ledger.LOAD_CHUNK", 2)
+    entries = {task_id: entry(task_id) for task_id in ("a", "b", "c")}
+    for e in entries.values():
+        ledger.admit(e)
+    claim(ledger, "b", "recover", token=entries["b"].token)
+
+    ledger.mark_sent("b", entries["b"].token)
+
+    loaded, fences = ledger.load_with_fences(["a", "b", "c", "absent"])
+
+    assert loaded == {**entries, "absent": None}
+    assert fences == {
+        "a": Fence(),
+        "b": Fence(attempts=1, claimed=entries["b"].token, sent=entries["b"].token),
+        "c": Fence(),
+        "absent": Fence(),
+    }
+    assert fences == ledger.fences(["a", "b", "c", "absent"])
+
+
 def test_older_than_lists_only_entries_recorded_before_the_cutoff(ledger: Ledger) -> None:
     for task_id, at in [("a", 100.0), ("b", 200.0), ("c", 300.0)]:
         ledger.admit(entry(task_id, recorded_at=at))
