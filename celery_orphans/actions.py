@@ -138,25 +138,37 @@ class Executor:
         attempt = self._claim(decision.task_id, candidate, entry, "recover")
         decision = dataclasses.replace(decision, attempt=attempt)
         detail = f"orphaned on {entry.node}: {decision.detail}; sent again"
-        if not rows.mark_retry(decision.task_id, detail) and rows.finished(decision.task_id):
-            raise Moved  # it ended after the sweep read its row: nothing to send again
-        broker.publish(
-            self.app,
-            entry.delivery,
-            {
-                "attempt": attempt,
-                "recovered_at": self.now.isoformat(),
-                "evidence": decision.evidence.value,
-                "worker": entry.node,
-                "boot": entry.boot,
-            },
-        )
+        try:
+            if not rows.mark_retry(decision.task_id, detail) and rows.finished(decision.task_id):
+                raise Moved  # it ended after the sweep read its row: nothing to send again
+            broker.publish(
+                self.app,
+                entry.delivery,
+                {
+                    "attempt": attempt,
+                    "recovered_at": self.now.isoformat(),
+                    "evidence": decision.evidence.value,
+                    "worker": entry.node,
+                    "boot": entry.boot,
+                },
+            )
+        except (Moved, *_FAILURES):
+            # Nothing went out as far as we know: the next sweep may judge the entry again at once.
+            self._unclaim_quietly(decision.task_id, entry.token)
+            raise
         if entry.delivery.delivery_tag:
             broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag)
         # Only once the row's move to RETRY is committed: should this process die before that, the
         # entry lets the next sweep find the task again instead of judging it by a STARTED row alone.
         transaction.on_commit(lambda: self._release_quietly(decision.task_id, entry.token))
         return decision
+
+    def _unclaim_quietly(self, task_id: str, token: str) -> None:
+        try:
+            self.ledger.unclaim(task_id, token)
+        except redis.RedisError as exc:
+            # Harmless: the claim lapses after ledger.CLAIM_SECONDS and the next sweep judges it then.
+            logger.warning("celery-orphans: could not lift the claim on %s: %s", task_id, exc)
 
     def _release_quietly(self, task_id: str, token: str) -> None:
         try:

@@ -43,13 +43,22 @@ return 0
 """
 
 # Claims an orphan for one action, only if nothing moved since the sweep looked: the entry still
-# carries the observed token (or is still absent) and the recovery count is unchanged.
+# carries the observed token (or is still absent), no other sweep holds a claim on it, and the recovery
+# count is unchanged. A recover claim leaves the entry in place until the claimer commits (actions.py),
+# so it marks the entry claimed: a sweep that looks before that commit (or between the commit and the
+# release) reads the same token and count, and must not send the task a second time. The mark lapses
+# after ARGV[7] seconds, so a claimer that died is followed by the next sweep.
 _CLAIM = """
 local token = redis.call('HGET', KEYS[2], 'token')
 if ARGV[1] == '' then
   if token then return -1 end
 elseif token ~= ARGV[1] then
   return -1
+end
+local now = tonumber(redis.call('TIME')[1])
+if token then
+  local claim = redis.call('HMGET', KEYS[2], 'claimed', 'claimed_until')
+  if claim[1] == token and (tonumber(claim[2]) or 0) > now then return -1 end
 end
 local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts')) or 0
 if attempts ~= tonumber(ARGV[2]) then return -1 end
@@ -58,6 +67,9 @@ if mode == 'recover' then
   attempts = attempts + 1
   redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[3])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
+  if token then
+    redis.call('HSET', KEYS[2], 'claimed', token, 'claimed_until', now + tonumber(ARGV[7]))
+  end
   return attempts
 end
 if mode == 'terminal' then
@@ -68,6 +80,20 @@ redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[6])
 return attempts
 """
+
+
+# Lifts a recover claim that sent nothing, so the next sweep need not wait for it to lapse.
+_UNCLAIM = """
+if redis.call('HGET', KEYS[1], 'claimed') == ARGV[1] then
+  redis.call('HDEL', KEYS[1], 'claimed', 'claimed_until')
+  return 1
+end
+return 0
+"""
+
+# How long a recover claim keeps other sweeps off an entry: longer than a sweep takes from its claim to
+# its commit, as long as the Redis sweep lock lives (locks.REDIS_LOCK_SECONDS).
+CLAIM_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -169,6 +195,7 @@ class Ledger:
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
         self._claim = client.register_script(_CLAIM)
+        self._unclaim = client.register_script(_UNCLAIM)
 
     def admit(self, entry: Entry) -> bool:
         """Record ``entry`` unless its delivery is a stale copy; ``False`` means drop it."""
@@ -193,9 +220,13 @@ class Ledger:
         """
         result = self._claim(
             keys=[self.keys.fence(task_id), self.keys.entry(task_id), self.keys.inflight],
-            args=[token, attempts, retries, ttl, mode, task_id],
+            args=[token, attempts, retries, ttl, mode, task_id, CLAIM_SECONDS],
         )
         return None if int(result) < 0 else int(result)
+
+    def unclaim(self, task_id: str, token: str) -> bool:
+        """Lift the recover claim made on the entry written with ``token``; the count stays raised."""
+        return bool(self._unclaim(keys=[self.keys.entry(task_id)], args=[token]))
 
     def older_than(self, cutoff: float) -> list[str]:
         ids = self.client.zrangebyscore(self.keys.inflight, "-inf", cutoff)

@@ -1,0 +1,472 @@
+"""Chaos (R1): workers SIGKILLed at random under a stream of recoverable tasks; every task must run once.
+
+Three ``celery worker -P prefork -c 2`` processes consume ``--tasks`` recoverable tasks of 0.5 to 3 s.
+Each execution records its start and its finish (with its pool process id, node and recovery attempt) in
+Redis. A killer SIGKILLs a random worker's whole process group every ``--kill-every`` seconds (with
+jitter) and starts a replacement at once: half the time under the same node name (its boot sweep finds
+what the dead boot left), otherwise under a new name (only the regular sweep can prove the old one gone).
+The regular sweep runs as in production: Beat's schedule through a ``celery beat`` process
+(``--sweeper beat``), or a loop in this process at ``CELERY_ORPHANS_SWEEP_INTERVAL_SECONDS``
+(``--sweeper loop``, the default).
+
+At the end it prints:
+
+- how many tasks ended SUCCESS (must be all of them);
+- executions finished per task (must be exactly 1 for every task);
+- extra starts, and how many are explained by a kill of that very execution (its pool process was in
+  the process group killed after it began); unexplained extra starts must be 0;
+- stale-copy executions after recovery: a copy of a task that began although a later recovery attempt
+  of it had already been sent (must be 0).
+
+    python benchmarks/chaos.py --tasks 1000 --kill-every 5
+    python benchmarks/chaos.py --tasks 1000 --kill-every 5 --broker amqp
+
+Services: PostgreSQL (database ``chaos_orphans``, created if missing), Redis db 14 (flushed at start),
+RabbitMQ for ``--broker amqp``. Override with ``DATABASE_URL``, ``REDIS_URL`` and ``AMQP_URL``.
+
+This module is also what the workers import (``-I benchmarks.chaos``) for the task ``chaos.work``, so its
+top level only defines that task; everything else runs from ``main()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import shared_task
+
+from celery_orphans import recoverable
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ROOT / "testproject"
+TASK = "chaos.work"
+RUNS_KEY = "chaos:runs:{}"
+QUEUE = "celery"
+
+
+def _runs_redis() -> Any:
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def _record(request: Any, event: str) -> None:
+    meta = getattr(request, "celery_orphans", None)
+    attempt = meta.get("attempt", 0) if isinstance(meta, dict) else 0
+    record = {
+        "event": event,
+        "pid": os.getpid(),
+        "node": request.hostname,
+        "attempt": attempt,
+        "at": time.time(),
+    }
+    _runs_redis().rpush(RUNS_KEY.format(request.id), json.dumps(record))
+
+
+def _work(self: Any, seconds: float) -> float:
+    """Idempotent busy work: records its start, sleeps, records its finish."""
+    _record(self.request, "start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    _record(self.request, "finish")
+    return seconds
+
+
+if __name__ != "__main__":
+    # Run as a script, this file is __main__: main() sets Django up, then imports it as benchmarks.chaos,
+    # so the task is bound to the test project's Celery app rather than to a default app made too early.
+    work = recoverable(max_attempts=10)(shared_task(bind=True, name=TASK)(_work))
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def group_pids(pgid: int) -> set[int]:
+    """Every process in a process group (a worker's main process and its pool), from /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid:  # fields after "(comm)": state, ppid, pgrp, ...
+            found.add(int(entry.name))
+    return found
+
+
+@dataclass
+class Kill:
+    node: str
+    at: float
+    pids: set[int]
+    restarted_as: str
+
+
+@dataclass
+class Fleet:
+    """The workers, the killer and the sweeper of one run."""
+
+    workdir: Path
+    env: dict[str, str]
+    concurrency: int = 2
+    workers: list[Any] = field(default_factory=list)  # tests.workers.Worker
+    kills: list[Kill] = field(default_factory=list)
+    generation: int = 0
+
+    def start(self, name: str, wait: bool = True) -> Any:
+        from tests.workers import Worker
+
+        log_path = self.workdir / f"{name.replace('@', '_')}-{len(self.workers)}.log"
+        command = [
+            sys.executable, "-m", "celery", "-A", "testproject", "worker",
+            "-n", name, "-P", "prefork", "-c", str(self.concurrency), "-Q", QUEUE,
+            "-I", "benchmarks.chaos", "--loglevel=INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen(
+                command,
+                cwd=PROJECT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        worker = Worker(name=name, log_path=log_path, process=process)
+        self.workers.append(worker)
+        if wait:
+            worker.wait_ready(timeout=60)
+        return worker
+
+    def live(self) -> list[Any]:
+        return [w for w in self.workers if w.is_running()]
+
+    def kill_one(self, rng: random.Random) -> Kill:
+        victim = rng.choice(self.live())
+        pids = group_pids(victim.pid)
+        victim.kill()
+        self.generation += 1
+        same = rng.random() < 0.5
+        name = victim.name if same else f"chaos-{self.generation}@bench"
+        kill = Kill(victim.name, time.time(), pids, name)
+        self.kills.append(kill)
+        self.start(name, wait=False)
+        log(f"killed {victim.name} ({len(pids)} processes); restarted as {name}")
+        return kill
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.is_running():
+                w.kill()
+            else:
+                with contextlib.suppress(ProcessLookupError):  # pool children of a killed parent
+                    os.killpg(w.pid, signal.SIGKILL)
+
+
+@dataclass
+class Result:
+    tasks: int
+    success: int
+    finished_per_task: dict[int, int]
+    starts: int
+    extra_starts: int
+    explained_by_kills: int
+    unexplained_extra_starts: int
+    stale_copy_executions: int
+    kills: int
+    kills_same_name: int
+    recovered: int
+    recovered_by_trigger: dict[str, int]
+    stale_copies_dropped: int
+    marked_terminal: int
+    seconds: float
+
+    def lines(self) -> list[str]:
+        return [
+            f"tasks SUCCESS: {self.success} of {self.tasks}",
+            f"executions finished per task: {dict(sorted(self.finished_per_task.items()))} "
+            f"(must be {{1: {self.tasks}}})",
+            f"starts: {self.starts}; extra starts: {self.extra_starts}, explained by kills of that very "
+            f"execution: {self.explained_by_kills}, unexplained: {self.unexplained_extra_starts} (must be 0)",
+            f"stale-copy executions after recovery: {self.stale_copy_executions} (must be 0)",
+            f"kills: {self.kills} ({self.kills_same_name} restarted under the same name); recoveries: "
+            f"{self.recovered} {self.recovered_by_trigger}; stale copies dropped by the fence: "
+            f"{self.stale_copies_dropped}; marked terminal: {self.marked_terminal}",
+            f"duration: {self.seconds:.0f} s",
+        ]
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.success == self.tasks
+            and self.finished_per_task == {1: self.tasks}
+            and self.unexplained_extra_starts == 0
+            and self.stale_copy_executions == 0
+        )
+
+
+def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) -> Result:
+    from django_celery_results.models import TaskResult
+
+    from celery_orphans.models import OrphanEvent
+
+    conn = _runs_redis()
+    events = {
+        task_id: [json.loads(raw) for raw in conn.lrange(RUNS_KEY.format(task_id), 0, -1)] for task_id in ids
+    }
+    recoveries: dict[str, list[tuple[int, float]]] = {}
+    audit = OrphanEvent.objects.filter(task_id__in=ids)
+    for task_id, action, attempt, created in audit.values_list("task_id", "action", "attempt", "created_at"):
+        if action == "recovered":
+            recoveries.setdefault(task_id, []).append((attempt or 0, created.timestamp()))
+    finished: Counter[int] = Counter()
+    starts = explained = stale = 0
+    for task_id in ids:
+        runs = sorted(events[task_id], key=lambda e: e["at"])
+        finished[sum(1 for e in runs if e["event"] == "finish")] += 1
+        open_runs: dict[int, dict[str, Any]] = {}
+        incomplete = []
+        for e in runs:
+            if e["event"] == "start":
+                starts += 1
+                if e["pid"] in open_runs:
+                    incomplete.append(open_runs[e["pid"]])
+                open_runs[e["pid"]] = e
+                # A copy older than a recovery already sent should have been dropped by the fence.
+                if any(a > e["attempt"] and at <= e["at"] for a, at in recoveries.get(task_id, [])):
+                    stale += 1
+            else:
+                open_runs.pop(e["pid"], None)
+        incomplete += list(open_runs.values())
+        explained += sum(1 for e in incomplete if any(e["pid"] in k.pids and k.at >= e["at"] for k in kills))
+    success = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").count()
+    by_trigger = Counter(audit.filter(action="recovered").values_list("trigger", flat=True))
+    return Result(
+        tasks=len(ids),
+        success=success,
+        finished_per_task=dict(finished),
+        starts=starts,
+        extra_starts=starts - len(ids),
+        explained_by_kills=explained,
+        unexplained_extra_starts=starts - len(ids) - explained,
+        stale_copy_executions=stale,
+        kills=len(kills),
+        kills_same_name=sum(1 for k in kills if k.restarted_as == k.node),
+        recovered=sum(by_trigger.values()),
+        recovered_by_trigger=dict(by_trigger),
+        stale_copies_dropped=fleet_logs.count("dropped a stale copy"),
+        marked_terminal=audit.filter(action="marked_terminal").count(),
+        seconds=time.time() - started,
+    )
+
+
+def sweep_loop(stop: threading.Event, every: float) -> None:
+    """The regular sweep, as Beat would run it every ``every`` seconds."""
+    from django.db import connection
+
+    from celery_orphans.tasks import reconcile
+
+    try:
+        while not stop.wait(every):
+            try:
+                outcome = reconcile.run()
+            except Exception as exc:  # a sweep that fails is logged and tried again, as Beat would
+                log(f"sweep failed: {type(exc).__name__}: {exc}")
+                continue
+            if "recovered 0 orphaned tasks, marked 0" not in str(outcome) and outcome != "locked":
+                log(f"sweep: {outcome}")
+    finally:
+        connection.close()
+
+
+def queued() -> int:
+    """Messages waiting in the queue, on either broker."""
+    from celery import current_app
+
+    with current_app.connection_for_write() as conn:
+        try:
+            return int(conn.default_channel.queue_declare(QUEUE, passive=True).message_count)
+        except conn.channel_errors:  # the Redis transport has no queue once its list is empty
+            return 0
+
+
+def run(
+    *,
+    tasks: int,
+    kill_every: float,
+    workdir: Path,
+    env: dict[str, str],
+    sweeper: str = "loop",
+    sweep_every: float | None = None,
+    seed: int | None = None,
+    timeout: float = 3600,
+    say: Callable[[str], None] = log,
+) -> Result:
+    """One chaos run in this (Django-configured) process; the workers get ``env``."""
+    from celery_orphans.conf import settings
+
+    rng = random.Random(seed)
+    fleet = Fleet(workdir, env)
+    stop = threading.Event()
+    started = time.time()
+    beat = None
+    try:
+        for i in range(3):
+            fleet.start(f"chaos-w{i}@bench")
+        if sweeper == "beat":
+            beat = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "testproject", "beat", "--loglevel=INFO",
+                 "-S", "django_celery_beat.schedulers:DatabaseScheduler", "-s", str(workdir / "beat")],
+                cwd=PROJECT, env=env, stdout=open(workdir / "beat.log", "ab"),  # noqa: SIM115
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            sweeping = None
+        else:
+            every = sweep_every or float(settings.SWEEP_INTERVAL_SECONDS)
+            sweeping = threading.Thread(target=sweep_loop, args=(stop, every), daemon=True)
+            sweeping.start()
+        ids = [str(uuid.uuid4()) for _ in range(tasks)]
+        for task_id in ids:
+            work.apply_async((round(rng.uniform(0.5, 3.0), 2),), task_id=task_id, queue=QUEUE)
+        say(f"queued {tasks} tasks on 3 workers; a kill every ~{kill_every:g} s")
+
+        from django_celery_results.models import TaskResult
+
+        deadline = time.monotonic() + timeout
+        next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
+        while True:
+            done = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").count()
+            if done == tasks or time.monotonic() > deadline:
+                break
+            if time.monotonic() >= next_kill:
+                fleet.kill_one(rng)
+                next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
+                say(f"{done} of {tasks} done, {len(fleet.kills)} kills")
+            time.sleep(0.2)
+        # Let whatever copies are still queued reach a worker (a stale one must be dropped, not run).
+        drained = time.monotonic() + 30
+        while queued() and time.monotonic() < drained:
+            time.sleep(0.2)
+        return analyse(ids, fleet.kills, "".join(w.log() for w in fleet.workers), started)
+    finally:
+        stop.set()
+        if beat is not None and beat.poll() is None:
+            os.killpg(beat.pid, signal.SIGKILL)
+            beat.wait(timeout=10)
+        fleet.close()
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+
+def _ensure_database(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    import psycopg
+
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    admin = (
+        f"host={parts.hostname} port={parts.port or 5432} user={parts.username or 'postgres'} dbname=postgres"
+    )
+    with psycopg.connect(admin, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--kill-every", type=float, default=5.0, help="seconds between kills (jittered)")
+    parser.add_argument("--broker", choices=("redis", "amqp"), default="redis")
+    parser.add_argument("--sweeper", choices=("loop", "beat"), default="loop")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--visibility-timeout", type=int, default=30, help="Redis transport, in seconds")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep worker logs here")
+    args = parser.parse_args()
+
+    database_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/chaos_orphans")
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/14")
+    amqp_url = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "CELERY_BROKER_URL": amqp_url if args.broker == "amqp" else redis_url,
+        "CELERY_ORPHANS_ENABLED": "true",
+        # Short, so the transport restores killed workers' originals during the run: the fence must drop
+        # every one of them.
+        "TESTPROJECT_VISIBILITY_TIMEOUT": str(args.visibility_timeout),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(PROJECT)]),
+    }
+    os.environ.update(env)
+    sys.path[:0] = [str(ROOT), str(PROJECT)]
+    _ensure_database(database_url)
+
+    import django
+
+    django.setup()
+    import tempfile
+
+    import redis
+    from django.core.management import call_command
+    from django_celery_results.models import TaskResult
+
+    from benchmarks import chaos  # the task, bound to the test project's app
+    from celery_orphans.models import OrphanEvent
+
+    call_command("migrate", verbosity=0)
+    redis.Redis.from_url(redis_url).flushdb()
+    TaskResult.objects.all().delete()
+    OrphanEvent.objects.all().delete()
+    if args.broker == "amqp":
+        from testproject.celery import app
+
+        app.control.purge()
+
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = chaos.run(
+            tasks=args.tasks,
+            kill_every=args.kill_every,
+            workdir=workdir,
+            env=env,
+            sweeper=args.sweeper,
+            seed=args.seed,
+            timeout=args.timeout,
+        )
+    print(f"\nchaos, broker {args.broker}, sweeper {args.sweeper}:")
+    for line in result.lines():
+        print(f"  {line}")
+    print("  PASS" if result.ok else "  FAIL")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
