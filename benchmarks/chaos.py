@@ -5,24 +5,29 @@ Each execution records its start and its finish (with its pool process id, node 
 Redis. A killer SIGKILLs a random worker's whole process group every ``--kill-every`` seconds (with
 jitter) and starts a replacement at once: half the time under the same node name (its boot sweep finds
 what the dead boot left), otherwise under a new name (only the regular sweep can prove the old one gone).
-The regular sweep runs as in production: Beat's schedule through a ``celery beat`` process
-(``--sweeper beat``), or a loop in this process at ``CELERY_ORPHANS_SWEEP_INTERVAL_SECONDS``
-(``--sweeper loop``, the default).
+The regular sweep runs as in production: Beat's schedule through a ``celery beat`` process, its task
+run by the workers (``--sweeper beat``, the default), or a loop in this process every
+``CELERY_ORPHANS_SWEEP_INTERVAL_SECONDS`` (``--sweeper loop``).
 
 At the end it prints:
 
 - how many tasks ended SUCCESS (must be all of them);
-- executions finished per task (must be exactly 1 for every task);
+- executions finished per task (must be exactly 1 for every task): an execution finished when its
+  body ended and its outcome is the one stored; a body that ended in a process killed before it could
+  store the result did not finish the task, which rightly runs again;
 - extra starts, and how many are explained by a kill of that very execution (its pool process was in
-  the process group killed after it began); unexplained extra starts must be 0;
+  the process group killed after it began and before its result was stored); unexplained extra starts
+  must be 0;
 - stale-copy executions after recovery: a copy of a task that began although a later recovery attempt
   of it had already been sent (must be 0).
 
     python benchmarks/chaos.py --tasks 1000 --kill-every 5
     python benchmarks/chaos.py --tasks 1000 --kill-every 5 --broker amqp
 
-Services: PostgreSQL (database ``chaos_orphans``, created if missing), Redis db 14 (flushed at start),
-RabbitMQ for ``--broker amqp``. Override with ``DATABASE_URL``, ``REDIS_URL`` and ``AMQP_URL``.
+Services: PostgreSQL (database ``chaos_orphans``, created and migrated if missing), Redis db 14 (flushed
+at start), RabbitMQ for ``--broker amqp``. Override with ``CHAOS_DATABASE_URL``, ``CHAOS_REDIS_URL`` and
+``CHAOS_AMQP_URL``. Each run consumes a queue and uses node names of its own (``chaos-<run id>``,
+``chaos-w0-<run id>@bench``), so it never meets the test suite or another benchmark on the same broker.
 
 This module is also what the workers import (``-I benchmarks.chaos``) for the task ``chaos.work``, so its
 top level only defines that task; everything else runs from ``main()``.
@@ -55,7 +60,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ROOT / "testproject"
 TASK = "chaos.work"
 RUNS_KEY = "chaos:runs:{}"
-QUEUE = "celery"
+# An execution whose body finished but whose process was killed within this long after, before its
+# result was stored, was lost to the kill: the task rightly runs again.
+LOST_AFTER_FINISH_SECONDS = 5.0
 
 
 def _runs_redis() -> Any:
@@ -78,14 +85,17 @@ def _record(request: Any, event: str) -> None:
     _runs_redis().rpush(RUNS_KEY.format(request.id), json.dumps(record))
 
 
-def _work(self: Any, seconds: float) -> float:
-    """Idempotent busy work: records its start, sleeps, records its finish."""
+def _work(self: Any, seconds: float) -> dict[str, Any]:
+    """Idempotent busy work: records its start, sleeps, records its finish.
+
+    Its result names the process that ran it, so the run can tell which execution's outcome was stored.
+    """
     _record(self.request, "start")
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(min(0.05, max(0.0, end - time.monotonic())))
     _record(self.request, "finish")
-    return seconds
+    return {"seconds": seconds, "pid": os.getpid(), "node": self.request.hostname}
 
 
 if __name__ != "__main__":
@@ -131,6 +141,7 @@ class Fleet:
 
     workdir: Path
     env: dict[str, str]
+    run_id: str
     concurrency: int = 2
     workers: list[Any] = field(default_factory=list)  # tests.workers.Worker
     kills: list[Kill] = field(default_factory=list)
@@ -142,7 +153,7 @@ class Fleet:
         log_path = self.workdir / f"{name.replace('@', '_')}-{len(self.workers)}.log"
         command = [
             sys.executable, "-m", "celery", "-A", "testproject", "worker",
-            "-n", name, "-P", "prefork", "-c", str(self.concurrency), "-Q", QUEUE,
+            "-n", name, "-P", "prefork", "-c", str(self.concurrency), "-Q", self.queue,
             "-I", "benchmarks.chaos", "--loglevel=INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip
@@ -161,6 +172,14 @@ class Fleet:
             worker.wait_ready(timeout=60)
         return worker
 
+    @property
+    def queue(self) -> str:
+        return f"chaos-{self.run_id}"
+
+    def node(self, label: str) -> str:
+        """A node name no other run (or test) on this machine and broker uses."""
+        return f"chaos-{label}-{self.run_id}@bench"
+
     def live(self) -> list[Any]:
         return [w for w in self.workers if w.is_running()]
 
@@ -170,7 +189,7 @@ class Fleet:
         victim.kill()
         self.generation += 1
         same = rng.random() < 0.5
-        name = victim.name if same else f"chaos-{self.generation}@bench"
+        name = victim.name if same else self.node(str(self.generation))
         kill = Kill(victim.name, time.time(), pids, name)
         self.kills.append(kill)
         self.start(name, wait=False)
@@ -187,6 +206,24 @@ class Fleet:
 
 
 @dataclass
+class Execution:
+    """One run of a task's body: its start record and, if it got that far, its finish record."""
+
+    start: dict[str, Any]
+    finish: dict[str, Any] | None = None
+
+    @property
+    def runner(self) -> tuple[str, int]:
+        return str(self.start["node"]), int(self.start["pid"])
+
+    def lost_to(self, kills: list[Kill]) -> bool:
+        """Its process was SIGKILLed while it ran, or right after its body finished (before the result)."""
+        began, pid = self.start["at"], self.start["pid"]
+        ended = self.finish["at"] + LOST_AFTER_FINISH_SECONDS if self.finish else float("inf")
+        return any(pid in k.pids and began <= k.at <= ended for k in kills)
+
+
+@dataclass
 class Result:
     tasks: int
     success: int
@@ -194,6 +231,7 @@ class Result:
     starts: int
     extra_starts: int
     explained_by_kills: int
+    lost_after_finish: int
     unexplained_extra_starts: int
     stale_copy_executions: int
     kills: int
@@ -203,6 +241,7 @@ class Result:
     stale_copies_dropped: int
     marked_terminal: int
     seconds: float
+    offenders: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         return [
@@ -210,12 +249,14 @@ class Result:
             f"executions finished per task: {dict(sorted(self.finished_per_task.items()))} "
             f"(must be {{1: {self.tasks}}})",
             f"starts: {self.starts}; extra starts: {self.extra_starts}, explained by kills of that very "
-            f"execution: {self.explained_by_kills}, unexplained: {self.unexplained_extra_starts} (must be 0)",
+            f"execution: {self.explained_by_kills} (of which {self.lost_after_finish} killed after the body "
+            f"ended, before its result was stored), unexplained: {self.unexplained_extra_starts} (must be 0)",
             f"stale-copy executions after recovery: {self.stale_copy_executions} (must be 0)",
             f"kills: {self.kills} ({self.kills_same_name} restarted under the same name); recoveries: "
             f"{self.recovered} {self.recovered_by_trigger}; stale copies dropped by the fence: "
             f"{self.stale_copies_dropped}; marked terminal: {self.marked_terminal}",
             f"duration: {self.seconds:.0f} s",
+            *self.offenders,
         ]
 
     @property
@@ -228,7 +269,32 @@ class Result:
         )
 
 
+def executions_of(events: list[dict[str, Any]]) -> list[Execution]:
+    """Pair each start with the finish recorded by the same process after it."""
+    found: list[Execution] = []
+    running: dict[int, Execution] = {}
+    for e in sorted(events, key=lambda e: e["at"]):
+        if e["event"] == "start":
+            running[e["pid"]] = Execution(e)
+            found.append(running[e["pid"]])
+        elif e["pid"] in running:
+            running.pop(e["pid"]).finish = e
+    return found
+
+
+def stored_runner(result: object) -> tuple[str, int] | None:
+    """Which process's outcome the SUCCESS row holds (the task returns its node and pid)."""
+    try:
+        value = json.loads(result) if isinstance(result, str) else None
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or "pid" not in value:
+        return None
+    return str(value.get("node")), int(value["pid"])
+
+
 def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) -> Result:
+    """Count executions per task from their own records, the kills and the audit log."""
     from django_celery_results.models import TaskResult
 
     from celery_orphans.models import OrphanEvent
@@ -242,35 +308,39 @@ def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) 
     for task_id, action, attempt, created in audit.values_list("task_id", "action", "attempt", "created_at"):
         if action == "recovered":
             recoveries.setdefault(task_id, []).append((attempt or 0, created.timestamp()))
+    rows = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").values_list("task_id", "result")
+    stored = {task_id: stored_runner(result) for task_id, result in rows}
     finished: Counter[int] = Counter()
-    starts = explained = stale = 0
+    starts = explained = after_finish = stale = 0
+    offenders = []
     for task_id in ids:
-        runs = sorted(events[task_id], key=lambda e: e["at"])
-        finished[sum(1 for e in runs if e["event"] == "finish")] += 1
-        open_runs: dict[int, dict[str, Any]] = {}
-        incomplete = []
-        for e in runs:
-            if e["event"] == "start":
-                starts += 1
-                if e["pid"] in open_runs:
-                    incomplete.append(open_runs[e["pid"]])
-                open_runs[e["pid"]] = e
-                # A copy older than a recovery already sent should have been dropped by the fence.
-                if any(a > e["attempt"] and at <= e["at"] for a, at in recoveries.get(task_id, [])):
-                    stale += 1
-            else:
-                open_runs.pop(e["pid"], None)
-        incomplete += list(open_runs.values())
-        explained += sum(1 for e in incomplete if any(e["pid"] in k.pids and k.at >= e["at"] for k in kills))
-    success = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").count()
+        runs = executions_of(events[task_id])
+        starts += len(runs)
+        # An execution counts as finished when its outcome is the one stored: a body that ended in a
+        # process killed before it could store the result did not finish the task, and must run again.
+        lost = [r for r in runs if r.lost_to(kills) and r.runner != stored.get(task_id)]
+        done = [r for r in runs if r.finish is not None and r not in lost]
+        finished[len(done)] += 1
+        explained += len(lost)
+        after_finish += sum(1 for r in lost if r.finish is not None)
+        # A copy older than a recovery already sent should have been dropped by the fence.
+        late = [
+            r
+            for r in runs
+            if any(a > r.start["attempt"] and at <= r.start["at"] for a, at in recoveries.get(task_id, []))
+        ]
+        stale += len(late)
+        if len(done) != 1 or len(runs) - len(lost) != 1 or late:
+            offenders.append(describe(task_id, runs, lost, recoveries.get(task_id, []), stored.get(task_id)))
     by_trigger = Counter(audit.filter(action="recovered").values_list("trigger", flat=True))
     return Result(
         tasks=len(ids),
-        success=success,
+        success=len(stored),
         finished_per_task=dict(finished),
         starts=starts,
         extra_starts=starts - len(ids),
         explained_by_kills=explained,
+        lost_after_finish=after_finish,
         unexplained_extra_starts=starts - len(ids) - explained,
         stale_copy_executions=stale,
         kills=len(kills),
@@ -280,7 +350,25 @@ def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) 
         stale_copies_dropped=fleet_logs.count("dropped a stale copy"),
         marked_terminal=audit.filter(action="marked_terminal").count(),
         seconds=time.time() - started,
+        offenders=offenders[:20],
     )
+
+
+def describe(
+    task_id: str,
+    runs: list[Execution],
+    lost: list[Execution],
+    recoveries: list[tuple[int, float]],
+    stored: tuple[str, int] | None,
+) -> str:
+    """One offending task's story, for the report."""
+    parts = [
+        f"{r.runner[0]}/{r.runner[1]} attempt {r.start['attempt']} {r.start['at']:.2f}-"
+        f"{r.finish['at'] if r.finish else float('nan'):.2f}{' lost' if r in lost else ''}"
+        for r in runs
+    ]
+    sent = ", ".join(f"attempt {a} at {at:.2f}" for a, at in sorted(recoveries))
+    return f"  {task_id}: runs [{'; '.join(parts)}]; recoveries [{sent}]; stored by {stored}"
 
 
 def sweep_loop(stop: threading.Event, every: float) -> None:
@@ -302,15 +390,32 @@ def sweep_loop(stop: threading.Event, every: float) -> None:
         connection.close()
 
 
-def queued() -> int:
+def queued(queue: str) -> int:
     """Messages waiting in the queue, on either broker."""
     from celery import current_app
 
     with current_app.connection_for_write() as conn:
         try:
-            return int(conn.default_channel.queue_declare(QUEUE, passive=True).message_count)
+            return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
         except conn.channel_errors:  # the Redis transport has no queue once its list is empty
             return 0
+
+
+def delete_queue(queue: str) -> None:
+    """Remove the run's queue from the broker (a RabbitMQ queue outlives the run otherwise)."""
+    from celery import current_app
+    from kombu import Queue
+
+    with current_app.connection_for_write() as conn, contextlib.suppress(*conn.channel_errors):
+        Queue(queue, channel=conn.default_channel).delete()
+
+
+def route_beat_to(queue: str) -> None:
+    """Send Beat's reconcile task to the run's queue, the only one its workers consume."""
+    from django_celery_beat.models import PeriodicTask, PeriodicTasks
+
+    PeriodicTask.objects.filter(task="celery_orphans.reconcile").update(queue=queue, enabled=True)
+    PeriodicTasks.update_changed()
 
 
 def run(
@@ -329,14 +434,15 @@ def run(
     from celery_orphans.conf import settings
 
     rng = random.Random(seed)
-    fleet = Fleet(workdir, env)
+    fleet = Fleet(workdir, env, run_id=uuid.uuid4().hex[:8])
     stop = threading.Event()
     started = time.time()
     beat = None
     try:
         for i in range(3):
-            fleet.start(f"chaos-w{i}@bench")
+            fleet.start(fleet.node(f"w{i}"))
         if sweeper == "beat":
+            route_beat_to(fleet.queue)
             beat = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "testproject", "beat", "--loglevel=INFO",
                  "-S", "django_celery_beat.schedulers:DatabaseScheduler", "-s", str(workdir / "beat")],
@@ -350,7 +456,7 @@ def run(
             sweeping.start()
         ids = [str(uuid.uuid4()) for _ in range(tasks)]
         for task_id in ids:
-            work.apply_async((round(rng.uniform(0.5, 3.0), 2),), task_id=task_id, queue=QUEUE)
+            work.apply_async((round(rng.uniform(0.5, 3.0), 2),), task_id=task_id, queue=fleet.queue)
         say(f"queued {tasks} tasks on 3 workers; a kill every ~{kill_every:g} s")
 
         from django_celery_results.models import TaskResult
@@ -368,7 +474,7 @@ def run(
             time.sleep(0.2)
         # Let whatever copies are still queued reach a worker (a stale one must be dropped, not run).
         drained = time.monotonic() + 30
-        while queued() and time.monotonic() < drained:
+        while queued(fleet.queue) and time.monotonic() < drained:
             time.sleep(0.2)
         return analyse(ids, fleet.kills, "".join(w.log() for w in fleet.workers), started)
     finally:
@@ -377,6 +483,7 @@ def run(
             os.killpg(beat.pid, signal.SIGKILL)
             beat.wait(timeout=10)
         fleet.close()
+        delete_queue(fleet.queue)
 
 
 # --- the command line ------------------------------------------------------------------------------
@@ -402,16 +509,17 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--kill-every", type=float, default=5.0, help="seconds between kills (jittered)")
     parser.add_argument("--broker", choices=("redis", "amqp"), default="redis")
-    parser.add_argument("--sweeper", choices=("loop", "beat"), default="loop")
+    parser.add_argument("--sweeper", choices=("beat", "loop"), default="beat")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--visibility-timeout", type=int, default=30, help="Redis transport, in seconds")
     parser.add_argument("--workdir", type=Path, default=None, help="keep worker logs here")
     args = parser.parse_args()
 
-    database_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/chaos_orphans")
-    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/14")
-    amqp_url = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    # Variables of its own, so a DATABASE_URL or REDIS_URL meant for the test suite is never used here.
+    database_url = os.environ.get("CHAOS_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/chaos_orphans")
+    redis_url = os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/14")
+    amqp_url = os.environ.get("CHAOS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "testproject.settings",
@@ -444,10 +552,6 @@ def main() -> int:
     redis.Redis.from_url(redis_url).flushdb()
     TaskResult.objects.all().delete()
     OrphanEvent.objects.all().delete()
-    if args.broker == "amqp":
-        from testproject.celery import app
-
-        app.control.purge()
 
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         workdir = args.workdir or Path(tmp)
