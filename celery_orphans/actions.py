@@ -48,6 +48,8 @@ class Executor:
         self.options = options
         self.now = now
         self._checkpoints = CheckpointStore(ledger.client, ledger.keys)
+        # Recover claims whose transaction has not committed yet, by task id: their entry token.
+        self._unsettled: dict[str, str] = {}
 
     def carry_out(self, outcome: Outcome, candidate: Candidate, entry: Entry | None) -> Outcome:
         decision = outcome.decision
@@ -72,6 +74,7 @@ class Executor:
                     checkpoint=saved,
                 )
         except Moved:
+            self._lift(decision.task_id)
             logger.info(
                 "celery-orphans: %s[%s] changed while the sweep looked at it; left for the next sweep",
                 outcome.task_name,
@@ -79,6 +82,7 @@ class Executor:
             )
             return outcome
         except _FAILURES as exc:
+            self._lift(decision.task_id)
             logger.error(
                 "celery-orphans: could not %s %s[%s]: %s",
                 decision.action.value.replace("_", " "),
@@ -98,7 +102,12 @@ class Executor:
         if d.action is Action.MARK_TERMINAL:
             metrics.marked_terminal(outcome.task_name, d.reason.value)
         elif d.action is Action.RECOVER and entry is not None:
-            beats = leases.last_beats([(entry.node, entry.boot)], self.ledger.client)
+            try:
+                beats = leases.last_beats([(entry.node, entry.boot)], self.ledger.client)
+            except redis.RedisError as exc:
+                # A metric is not worth failing a sweep whose recovery is already sent.
+                logger.warning("celery-orphans: could not read the last beat of %s: %s", entry.node, exc)
+                beats = {}
             last = beats.get((entry.node, entry.boot))
             metrics.recovered(
                 outcome.task_name, d.evidence.value, None if last is None else time.time() - last
@@ -136,34 +145,46 @@ class Executor:
 
     def _recover(self, decision: Decision, candidate: Candidate, entry: Entry) -> Decision:
         attempt = self._claim(decision.task_id, candidate, entry, "recover")
+        self._unsettled[decision.task_id] = entry.token
         decision = dataclasses.replace(decision, attempt=attempt)
         detail = f"orphaned on {entry.node}: {decision.detail}; sent again"
-        try:
-            if not rows.mark_retry(decision.task_id, detail) and rows.finished(decision.task_id):
-                raise Moved  # it ended after the sweep read its row: nothing to send again
-            broker.publish(
-                self.app,
-                entry.delivery,
-                {
-                    "attempt": attempt,
-                    "recovered_at": self.now.isoformat(),
-                    "evidence": decision.evidence.value,
-                    "worker": entry.node,
-                    "boot": entry.boot,
-                },
-            )
-        except (Moved, *_FAILURES):
-            # Nothing went out as far as we know: the next sweep may judge the entry again at once.
-            self._unclaim_quietly(decision.task_id, entry.token)
-            raise
+        if not rows.mark_retry(decision.task_id, detail) and rows.finished(decision.task_id):
+            raise Moved  # it ended after the sweep read its row: nothing to send again
+        broker.publish(
+            self.app,
+            entry.delivery,
+            {
+                "attempt": attempt,
+                "recovered_at": self.now.isoformat(),
+                "evidence": decision.evidence.value,
+                "worker": entry.node,
+                "boot": entry.boot,
+            },
+        )
         if entry.delivery.delivery_tag:
             broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag)
         # Only once the row's move to RETRY is committed: should this process die before that, the
         # entry lets the next sweep find the task again instead of judging it by a STARTED row alone.
-        transaction.on_commit(lambda: self._release_quietly(decision.task_id, entry.token))
+        transaction.on_commit(lambda: self._settle(decision.task_id, entry.token))
         return decision
 
-    def _unclaim_quietly(self, task_id: str, token: str) -> None:
+    def _settle(self, task_id: str, token: str) -> None:
+        self._unsettled.pop(task_id, None)
+        self._release_quietly(task_id, token)
+
+    def lift_unsettled(self) -> None:
+        """Lift the claims of recoveries whose transaction rolled back (their release never ran).
+
+        The row move and the audit event are gone with the transaction: the next sweep must be able
+        to find and finish the task at once rather than after the claim lapses.
+        """
+        for task_id in list(self._unsettled):
+            self._lift(task_id)
+
+    def _lift(self, task_id: str) -> None:
+        token = self._unsettled.pop(task_id, None)
+        if token is None:
+            return
         try:
             self.ledger.unclaim(task_id, token)
         except redis.RedisError as exc:

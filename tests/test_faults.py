@@ -177,31 +177,13 @@ def arm(fault: Fault, point: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(broker, "publish", publish_then_fault)
 
 
-_F1 = (
-    "actions.Executor.carry_out calls self._count() after the recovery's savepoint, outside its try; "
-    "_count reads Redis (leases.last_beats), so Redis failing right after a re-send raises a bare "
-    "redis.ConnectionError out of the sweep: sweep_lock's transaction rolls back every row move and audit "
-    "row of the sweep although their messages are out and fences raised, and the next sweep sends them "
-    "again. Fix: catch redis.RedisError in Executor._count (metrics are best effort) or read the last beat "
-    "before the transaction."
-)
-_F2 = (
-    "A recovery releases the old ledger entry only on commit (actions._release_quietly); if Redis is down "
-    "then, the entry stays with its token, and the next sweep's claim (same token, same attempt count) "
-    "succeeds and sends the task again. Harmless for execution (the fence drops the older copy) but it is "
-    "a second publish and a second counted attempt; at the task's cap the next sweep marks it terminal and "
-    "the fence then drops the copy already sent, so the task never runs (see "
-    "test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap). Fix: after broker.publish "
-    "returns, record the sent attempt and the entry token in the fence (HSET fence sent <attempt> token "
-    "<token>); a later claim that finds that token already sent only redoes the bookkeeping (row to RETRY, "
-    "audit, release) without publishing."
-)
 _F3 = (
     "Every action of a sweep commits in sweep_lock's one transaction (celery_orphans/locks.py), at the end "
     "of the sweep; when the database connection is lost mid-sweep, the row moves and audit rows of the "
     "recoveries already sent roll back, and the next sweep sends them again (the fence keeps execution to "
-    "one). Fix: the fence record of the F2 fix (sent attempt + token in Redis) lets the next sweep see "
-    "they were sent; or commit each action on its own while the lock is held on a separate connection."
+    "one). Fix: record the sent attempt and the entry token in the fence after broker.publish returns, so "
+    "the next sweep sees they were sent and only redoes the bookkeeping; or commit each action on its own "
+    "while the lock is held on a separate connection."
 )
 
 _F4 = (
@@ -215,8 +197,6 @@ _F4 = (
 )
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("redis", "between_recoveries"): _F2,
-    ("redis", "after_resend"): f"{_F1} Then: {_F2}",
     ("postgres", "between_recoveries"): _F3,
     ("postgres", "after_resend"): f"{_F4} Then: {_F3}",
 }
@@ -305,7 +285,6 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
 
 
 @pytest.mark.worker
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=_F2)
 def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
     workers: Any, ledger_redis: PrivateRedis, redis_client: Any, settings: Any, tmp_path: Path, monkeypatch
 ) -> None:
@@ -334,7 +313,7 @@ def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
     )
     outcome = {o.decision.task_id: o for o in second.outcomes}[task_id]
     if not any(e.startswith("finish") for e in runs(task_id)):
-        raise KnownBug(
+        pytest.fail(
             f"recovered once, then {outcome.decision.action.value} ({outcome.decision.reason.value}) by the "
             f"next sweep; the copy already sent was dropped: {TaskResult.objects.get(task_id=task_id).status}"
         )
