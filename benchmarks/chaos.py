@@ -6,8 +6,8 @@ Redis. A killer SIGKILLs a random worker's whole process group every ``--kill-ev
 jitter) and starts a replacement at once: half the time under the same node name (its boot sweep finds
 what the dead boot left), otherwise under a new name (only the regular sweep can prove the old one gone).
 The regular sweep runs as in production: Beat's schedule through a ``celery beat`` process, its task
-run by the workers (``--sweeper beat``, the default), or a loop in this process every
-``CELERY_ORPHANS_SWEEP_INTERVAL_SECONDS`` (``--sweeper loop``).
+routed to a queue of its own that the workers also consume (``--sweeper beat``, the default), or a loop in
+this process every ``CELERY_ORPHANS_SWEEP_INTERVAL_SECONDS`` (``--sweeper loop``).
 
 At the end it prints:
 
@@ -153,7 +153,8 @@ class Fleet:
         log_path = self.workdir / f"{name.replace('@', '_')}-{len(self.workers)}.log"
         command = [
             sys.executable, "-m", "celery", "-A", "testproject", "worker",
-            "-n", name, "-P", "prefork", "-c", str(self.concurrency), "-Q", self.queue,
+            "-n", name, "-P", "prefork", "-c", str(self.concurrency),
+            "-Q", f"{self.queue},{self.sweep_queue}",
             "-I", "benchmarks.chaos", "--loglevel=INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip
@@ -175,6 +176,12 @@ class Fleet:
     @property
     def queue(self) -> str:
         return f"chaos-{self.run_id}"
+
+    @property
+    def sweep_queue(self) -> str:
+        # Beat's reconcile task on a queue of its own, as docs/deployment.md advises: behind the backlog
+        # of work it would run minutes late.
+        return f"chaos-{self.run_id}-sweep"
 
     def node(self, label: str) -> str:
         """A node name no other run (or test) on this machine and broker uses."""
@@ -411,7 +418,7 @@ def delete_queue(queue: str) -> None:
 
 
 def route_beat_to(queue: str) -> None:
-    """Send Beat's reconcile task to the run's queue, the only one its workers consume."""
+    """Send Beat's reconcile task to ``queue``, which the run's workers consume."""
     from django_celery_beat.models import PeriodicTask, PeriodicTasks
 
     PeriodicTask.objects.filter(task="celery_orphans.reconcile").update(queue=queue, enabled=True)
@@ -442,7 +449,7 @@ def run(
         for i in range(3):
             fleet.start(fleet.node(f"w{i}"))
         if sweeper == "beat":
-            route_beat_to(fleet.queue)
+            route_beat_to(fleet.sweep_queue)
             beat = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "testproject", "beat", "--loglevel=INFO",
                  "-S", "django_celery_beat.schedulers:DatabaseScheduler", "-s", str(workdir / "beat")],
@@ -483,7 +490,8 @@ def run(
             os.killpg(beat.pid, signal.SIGKILL)
             beat.wait(timeout=10)
         fleet.close()
-        delete_queue(fleet.queue)
+        for queue in (fleet.queue, fleet.sweep_queue):
+            delete_queue(queue)
 
 
 # --- the command line ------------------------------------------------------------------------------
