@@ -48,6 +48,8 @@ class Executor:
         self.options = options
         self.now = now
         self._checkpoints = CheckpointStore(ledger.client, ledger.keys)
+        # Claims (recover, complete) whose transaction has not committed yet, by task id: their entry token.
+        self._unsettled: dict[str, str] = {}
 
     def carry_out(self, outcome: Outcome, candidate: Candidate, entry: Entry | None) -> Outcome:
         decision = outcome.decision
@@ -78,6 +80,7 @@ class Executor:
                         checkpoint=saved,
                     )
         except Moved:
+            self._lift(decision.task_id)
             logger.info(
                 "celery-orphans: %s[%s] changed while the sweep looked at it; left for the next sweep",
                 outcome.task_name,
@@ -85,6 +88,7 @@ class Executor:
             )
             return outcome
         except _FAILURES as exc:
+            self._lift(decision.task_id)
             logger.error(
                 "celery-orphans: could not %s %s[%s]: %s",
                 decision.action.value.replace("_", " "),
@@ -150,6 +154,7 @@ class Executor:
 
     def _recover(self, decision: Decision, candidate: Candidate, entry: Entry) -> Decision:
         attempt = self._claim(decision.task_id, candidate, entry, "recover")
+        self._unsettled[decision.task_id] = entry.token
         decision = dataclasses.replace(decision, attempt=attempt)
         detail = f"orphaned on {entry.node}: {decision.detail}; sent again"
         if not rows.mark_retry(decision.task_id, detail) and rows.finished(decision.task_id):
@@ -170,7 +175,7 @@ class Executor:
             broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag)
         # Only once the row's move to RETRY is committed: should this process die before that, the
         # entry lets the next sweep find the task again instead of judging it by a STARTED row alone.
-        transaction.on_commit(lambda: self._release_quietly(decision.task_id, entry.token))
+        transaction.on_commit(lambda: self._settle(decision.task_id, entry.token))
         return decision
 
     def _mark_sent_quietly(self, task_id: str, token: str) -> None:
@@ -184,12 +189,36 @@ class Executor:
     def _complete(self, decision: Decision, candidate: Candidate, entry: Entry) -> bool:
         """Finish a recovery an earlier sweep sent; ``True`` when its record was lost and is written now."""
         self._claim(decision.task_id, candidate, entry, "complete")
+        self._unsettled[decision.task_id] = entry.token
         # The row's move and the audit row commit together: the audit row tells whether both were kept.
         lost = not audit.recovery_recorded(decision.task_id, candidate.attempts, entry.recorded_at)
         if lost:
             rows.mark_retry(decision.task_id, f"orphaned on {entry.node}: {decision.detail}")
-        transaction.on_commit(lambda: self._release_quietly(decision.task_id, entry.token))
+        transaction.on_commit(lambda: self._settle(decision.task_id, entry.token))
         return lost
+
+    def _settle(self, task_id: str, token: str) -> None:
+        self._unsettled.pop(task_id, None)
+        self._release_quietly(task_id, token)
+
+    def lift_unsettled(self) -> None:
+        """Lift the holds of claims whose transaction rolled back (their release never ran).
+
+        The row move and the audit event are gone with the transaction: the next sweep must be able
+        to find and finish the task at once rather than after the claim lapses.
+        """
+        for task_id in list(self._unsettled):
+            self._lift(task_id)
+
+    def _lift(self, task_id: str) -> None:
+        token = self._unsettled.pop(task_id, None)
+        if token is None:
+            return
+        try:
+            self.ledger.unclaim(task_id, token)
+        except redis.RedisError as exc:
+            # Harmless: the hold lapses after ledger.CLAIM_SECONDS and the next sweep judges it then.
+            logger.warning("celery-orphans: could not lift the hold on %s: %s", task_id, exc)
 
     def _release_quietly(self, task_id: str, token: str) -> None:
         try:

@@ -92,9 +92,14 @@ return out
 LOAD_CHUNK = 1000
 
 # Claims an orphan for one action, only if nothing moved since the sweep looked: the entry still
-# carries the observed token (or is still absent) and the recovery count is unchanged. A recovery
-# records which entry it claimed ('claimed'), and once its message is out, which entry it sent ('sent'):
-# an entry left behind after that is never sent again, only its bookkeeping is finished ('complete').
+# carries the observed token (or is still absent), no other sweep holds it, and the recovery count is
+# unchanged. A recovery records in the fence which entry it claimed ('claimed'), and once its message is
+# out, which entry it sent ('sent'): an entry left behind after that is never sent again, only its
+# bookkeeping is finished ('complete'). Both leave the entry in place until the claimer commits
+# (actions.py), so they also hold it ('held', 'held_until' on the entry): a sweep that looks before that
+# commit, or between the commit and the release, reads the same token and count and must not act on the
+# task a second time. The hold lapses after ARGV[7] seconds, so a claimer that died is followed by the
+# next sweep.
 _CLAIM = """
 local token = redis.call('HGET', KEYS[2], 'token')
 if ARGV[1] == '' then
@@ -102,11 +107,17 @@ if ARGV[1] == '' then
 elseif token ~= ARGV[1] then
   return -1
 end
+local now = tonumber(redis.call('TIME')[1])
+if token then
+  local hold = redis.call('HMGET', KEYS[2], 'held', 'held_until')
+  if hold[1] == token and (tonumber(hold[2]) or 0) > now then return -1 end
+end
 local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts')) or 0
 if attempts ~= tonumber(ARGV[2]) then return -1 end
 local mode = ARGV[5]
 if mode == 'complete' then
   if redis.call('HGET', KEYS[1], 'claimed') ~= ARGV[1] then return -1 end
+  redis.call('HSET', KEYS[2], 'held', token, 'held_until', now + tonumber(ARGV[7]))
   return attempts
 end
 if mode == 'recover' then
@@ -114,6 +125,9 @@ if mode == 'recover' then
   attempts = attempts + 1
   redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[3], 'claimed', ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
+  if token then
+    redis.call('HSET', KEYS[2], 'held', token, 'held_until', now + tonumber(ARGV[7]))
+  end
   return attempts
 end
 if mode == 'terminal' then
@@ -124,6 +138,20 @@ redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[6])
 return attempts
 """
+
+
+# Lifts the hold of a claim whose sweep did not commit, so the next sweep need not wait for it to lapse.
+_UNCLAIM = """
+if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then
+  redis.call('HDEL', KEYS[1], 'held', 'held_until')
+  return 1
+end
+return 0
+"""
+
+# How long a claim holds other sweeps off an entry: longer than a sweep takes from its claim to
+# its commit, as long as the Redis sweep lock lives (locks.REDIS_LOCK_SECONDS).
+CLAIM_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -343,6 +371,7 @@ class Ledger:
         self._claim = client.register_script(_CLAIM)
         self._load = client.register_script(_LOAD)
         self._release_many = client.register_script(_RELEASE_MANY)
+        self._unclaim = client.register_script(_UNCLAIM)
 
     def admit(self, entry: Entry) -> bool:
         """Record ``entry`` unless its delivery is a stale copy; ``False`` means drop it."""
@@ -402,7 +431,7 @@ class Ledger:
         """
         result = self._claim(
             keys=[self.keys.fence(task_id), self.keys.entry(task_id), self.keys.inflight],
-            args=[token, attempts, retries, ttl, mode, task_id],
+            args=[token, attempts, retries, ttl, mode, task_id, CLAIM_SECONDS],
         )
         return None if int(result) < 0 else int(result)
 
@@ -416,6 +445,10 @@ class Ledger:
         for task_id in task_ids:
             pipe.hmget(self.keys.fence(task_id), "attempts", "claimed", "sent")
         return {task_id: _fence(*values) for task_id, values in zip(task_ids, pipe.execute())}
+
+    def unclaim(self, task_id: str, token: str) -> bool:
+        """Lift the hold a claim put on the entry written with ``token``; the count stays raised."""
+        return bool(self._unclaim(keys=[self.keys.entry(task_id)], args=[token]))
 
     def older_than(self, cutoff: float) -> list[str]:
         ids = self.client.zrangebyscore(self.keys.inflight, "-inf", cutoff)

@@ -98,11 +98,16 @@ def run(options: Options, app: Celery | None = None) -> Report:
     """Run one sweep; ``SweepLocked`` if another holds the lock, ``LedgerUnavailable`` without Redis."""
     app = app or current_app
     started = time.monotonic()
+    executors: list[actions.Executor] = []
     if options.dry_run:
-        report = _sweep(app, options)
+        report = _sweep(app, options, executors)
     else:
-        with sweep_lock():
-            report = _sweep(app, options)
+        try:
+            with sweep_lock():
+                report = _sweep(app, options, executors)
+        finally:
+            for executor in executors:
+                executor.lift_unsettled()  # only if the transaction did not commit
     report.duration = time.monotonic() - started
     metrics.swept(report.duration)
     (logger.info if report.outcomes else logger.debug)("celery-orphans: %s", report.summary())
@@ -140,7 +145,7 @@ def last_sweep() -> dict[str, str | bool] | None:
     return {**data, "ok": data.get("ok") == "true"}
 
 
-def _sweep(app: Celery, options: Options) -> Report:
+def _sweep(app: Celery, options: Options, executors: list[actions.Executor]) -> Report:
     registry.load_tasks(app)
     now = timezone.now()
     grace = timedelta(
@@ -172,6 +177,7 @@ def _sweep(app: Celery, options: Options) -> Report:
     shadow = options.shadow if options.shadow is not None else settings.SHADOW_MODE
     report = Report(dry_run=options.dry_run, shadow=shadow)
     executor = actions.Executor(app, ledger, options, now)
+    executors.append(executor)
     stopped = False
     for candidate, decision in zip(candidates, decisions):
         outcome = Outcome(decision, candidate.task_name or "", candidate.worker or "")

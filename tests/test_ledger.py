@@ -14,6 +14,7 @@ import redis
 from django.conf import settings as django_settings
 from kombu import Connection, Message
 
+from celery_orphans import ledger as ledger_module
 from celery_orphans.actions import ALL_RETRIES
 from celery_orphans.ledger import (
     ENTRY_VERSION,
@@ -26,6 +27,7 @@ from celery_orphans.ledger import (
     recovery_attempt,
 )
 from celery_orphans.store import Keys, client
+from tests.workers import wait_for
 
 TTL = 3600
 
@@ -461,7 +463,9 @@ def test_a_recover_claim_fences_off_older_copies_of_the_same_retry(ledger: Ledge
     e = entry("t", retries=1)
     ledger.admit(e)
     claim(ledger, "t", "recover", token=e.token, retries=1)
-    claim(ledger, "t", "recover", token=e.token, attempts=1, retries=1)  # recovered twice: n = 2
+    first = entry("t", retries=1, attempt=1)
+    ledger.admit(first)  # the first recovery ran, and its worker died in turn
+    claim(ledger, "t", "recover", token=first.token, attempts=1, retries=1)  # recovered twice: n = 2
 
     assert ledger.admit(entry("t", retries=1)) is False  # the caller's original message
     assert ledger.admit(entry("t", retries=1, attempt=1)) is False  # the first recovery's message
@@ -508,8 +512,10 @@ def test_a_terminal_claim_keeps_the_recovery_count(ledger: Ledger) -> None:
     e = entry("t")
     ledger.admit(e)
     claim(ledger, "t", "recover", token=e.token)
+    recovered = entry("t", attempt=1)
+    ledger.admit(recovered)
 
-    assert claim(ledger, "t", "terminal", token=e.token, attempts=1, retries=ALL_RETRIES) == 1
+    assert claim(ledger, "t", "terminal", token=recovered.token, attempts=1, retries=ALL_RETRIES) == 1
     assert ledger.attempts(["t"]) == {"t": 1}
 
 
@@ -539,6 +545,7 @@ def test_a_forget_claim_leaves_an_existing_fence_as_it_was(ledger: Ledger, redis
     ledger.admit(e)
     claim(ledger, "t", "recover", token=e.token)
     fence = redis_client.hgetall(ledger.keys.fence("t"))
+    ledger.unclaim("t", e.token)  # as a recovery that sent nothing does
 
     assert claim(ledger, "t", "forget", token=e.token, attempts=1, retries=ALL_RETRIES) == 1
 
@@ -697,8 +704,12 @@ def test_an_entry_already_sent_is_never_claimed_for_recovery_again(ledger: Ledge
 
     assert claim(ledger, "t", "recover", token=e.token, attempts=1) is None
     assert ledger.attempts(["t"]) == {"t": 1}
-    # Finishing its bookkeeping is allowed, and changes nothing in Redis by itself.
+    # Once the sweep that sent it lets go (it did not commit), finishing its bookkeeping is allowed and
+    # changes nothing in Redis by itself but the hold of the sweep that finishes it.
+    assert claim(ledger, "t", "complete", token=e.token, attempts=1) is None
+    assert ledger.unclaim("t", e.token)
     assert claim(ledger, "t", "complete", token=e.token, attempts=1) == 1
+    assert claim(ledger, "t", "complete", token=e.token, attempts=1) is None
     assert ledger.load(["t"]) == {"t": e}
 
 
@@ -711,3 +722,40 @@ def test_completing_is_refused_for_an_entry_the_latest_recovery_did_not_claim(le
     newer = entry("t", attempt=1)
     ledger.admit(newer)  # the copy sent again started: its entry is not the claimed one
     assert claim(ledger, "t", "complete", token=newer.token, attempts=1) is None
+
+
+def test_a_recover_claim_keeps_other_sweeps_off_the_entry_until_lifted(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
+
+    # A sweep that looked after the claim sees the same token and the new count: still refused.
+    for mode in ("recover", "terminal", "forget"):
+        assert claim(ledger, "t", mode, token=e.token, attempts=1) is None
+    assert ledger.attempts(["t"]) == {"t": 1}
+
+    assert ledger.unclaim("t", e.token)
+    assert claim(ledger, "t", "recover", token=e.token, attempts=1) == 2
+
+
+def test_a_recover_claim_lapses_so_a_dead_claimers_task_is_judged_again(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    monkeypatch.setattr(ledger_module, "CLAIM_SECONDS", 1)
+    assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
+    assert claim(ledger, "t", "recover", token=e.token, attempts=1) is None
+
+    wait_for(lambda: claim(ledger, "t", "recover", token=e.token, attempts=1) == 2, 10, "the claim to lapse")
+
+
+def test_a_claim_on_an_older_entry_does_not_hold_off_the_one_that_replaced_it(ledger: Ledger) -> None:
+    e = entry("t")
+    ledger.admit(e)
+    assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
+    recovered = entry("t", attempt=1)
+    ledger.admit(recovered)  # a worker runs the recovered copy, then dies in turn
+
+    assert claim(ledger, "t", "recover", token=recovered.token, attempts=1) == 2
+    assert not ledger.unclaim("t", e.token)

@@ -1,0 +1,584 @@
+"""Chaos (R1): workers SIGKILLed at random under a stream of recoverable tasks; every task must run once.
+
+Three ``celery worker -P prefork -c 2`` processes consume ``--tasks`` recoverable tasks of 0.5 to 3 s.
+Each execution records its start and its finish (with its pool process id, node and recovery attempt) in
+Redis. A killer SIGKILLs a random worker's whole process group every ``--kill-every`` seconds (with
+jitter) and starts a replacement at once: half the time under the same node name (its boot sweep finds
+what the dead boot left), otherwise under a new name (only the regular sweep can prove the old one gone).
+The regular sweep runs as in production: Beat's schedule through a ``celery beat`` process, its task
+routed to a queue of its own that the workers also consume (``--sweeper beat``, the default), or a loop in
+this process every ``CELERY_ORPHANS_SWEEP_INTERVAL_SECONDS`` (``--sweeper loop``).
+
+At the end it prints:
+
+- how many tasks ended SUCCESS (must be all of them);
+- executions finished per task (must be exactly 1 for every task): an execution finished when its
+  body ended and its outcome is the one stored; a body that ended in a process killed before it could
+  store the result did not finish the task, which rightly runs again;
+- extra starts, and how many are explained by a kill of that very execution (its pool process was in
+  the process group killed after it began and before its result was stored); unexplained extra starts
+  must be 0;
+- stale-copy executions after recovery: a copy of a task that began although a later recovery attempt
+  of it had already been sent (must be 0).
+
+    python benchmarks/chaos.py --tasks 1000 --kill-every 5
+    python benchmarks/chaos.py --tasks 1000 --kill-every 5 --broker amqp
+
+Services: PostgreSQL (database ``chaos_orphans``, created and migrated if missing), Redis db 14 (flushed
+at start), RabbitMQ for ``--broker amqp``. Override with ``CHAOS_DATABASE_URL``, ``CHAOS_REDIS_URL`` and
+``CHAOS_AMQP_URL``. Each run consumes a queue and uses node names of its own (``chaos-<run id>``,
+``chaos-w0-<run id>@bench``), so it never meets the test suite or another benchmark on the same broker.
+
+This module is also what the workers import (``-I benchmarks.chaos``) for the task ``chaos.work``, so its
+top level only defines that task; everything else runs from ``main()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import shared_task
+
+from celery_orphans import recoverable
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ROOT / "testproject"
+TASK = "chaos.work"
+RUNS_KEY = "chaos:runs:{}"
+# An execution whose body finished but whose process was killed within this long after, before its
+# result was stored, was lost to the kill: the task rightly runs again.
+LOST_AFTER_FINISH_SECONDS = 5.0
+
+
+def _runs_redis() -> Any:
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def _record(request: Any, event: str) -> None:
+    meta = getattr(request, "celery_orphans", None)
+    attempt = meta.get("attempt", 0) if isinstance(meta, dict) else 0
+    record = {
+        "event": event,
+        "pid": os.getpid(),
+        "node": request.hostname,
+        "attempt": attempt,
+        "at": time.time(),
+    }
+    _runs_redis().rpush(RUNS_KEY.format(request.id), json.dumps(record))
+
+
+def _work(self: Any, seconds: float) -> dict[str, Any]:
+    """Idempotent busy work: records its start, sleeps, records its finish.
+
+    Its result names the process that ran it, so the run can tell which execution's outcome was stored.
+    """
+    _record(self.request, "start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    _record(self.request, "finish")
+    return {"seconds": seconds, "pid": os.getpid(), "node": self.request.hostname}
+
+
+if __name__ != "__main__":
+    # Run as a script, this file is __main__: main() sets Django up, then imports it as benchmarks.chaos,
+    # so the task is bound to the test project's Celery app rather than to a default app made too early.
+    work = recoverable(max_attempts=10)(shared_task(bind=True, name=TASK)(_work))
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def group_pids(pgid: int) -> set[int]:
+    """Every process in a process group (a worker's main process and its pool), from /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid:  # fields after "(comm)": state, ppid, pgrp, ...
+            found.add(int(entry.name))
+    return found
+
+
+@dataclass
+class Kill:
+    node: str
+    at: float
+    pids: set[int]
+    restarted_as: str
+
+
+@dataclass
+class Fleet:
+    """The workers, the killer and the sweeper of one run."""
+
+    workdir: Path
+    env: dict[str, str]
+    run_id: str
+    concurrency: int = 2
+    workers: list[Any] = field(default_factory=list)  # tests.workers.Worker
+    kills: list[Kill] = field(default_factory=list)
+    generation: int = 0
+
+    def start(self, name: str, wait: bool = True) -> Any:
+        from tests.workers import Worker
+
+        log_path = self.workdir / f"{name.replace('@', '_')}-{len(self.workers)}.log"
+        command = [
+            sys.executable, "-m", "celery", "-A", "testproject", "worker",
+            "-n", name, "-P", "prefork", "-c", str(self.concurrency),
+            "-Q", f"{self.queue},{self.sweep_queue}",
+            "-I", "benchmarks.chaos", "--loglevel=INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen(
+                command,
+                cwd=PROJECT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        worker = Worker(name=name, log_path=log_path, process=process)
+        self.workers.append(worker)
+        if wait:
+            worker.wait_ready(timeout=60)
+        return worker
+
+    @property
+    def queue(self) -> str:
+        return f"chaos-{self.run_id}"
+
+    @property
+    def sweep_queue(self) -> str:
+        # Beat's reconcile task on a queue of its own, as docs/deployment.md advises: behind the backlog
+        # of work it would run minutes late.
+        return f"chaos-{self.run_id}-sweep"
+
+    def node(self, label: str) -> str:
+        """A node name no other run (or test) on this machine and broker uses."""
+        return f"chaos-{label}-{self.run_id}@bench"
+
+    def live(self) -> list[Any]:
+        return [w for w in self.workers if w.is_running()]
+
+    def kill_one(self, rng: random.Random) -> Kill:
+        victim = rng.choice(self.live())
+        pids = group_pids(victim.pid)
+        victim.kill()
+        self.generation += 1
+        same = rng.random() < 0.5
+        name = victim.name if same else self.node(str(self.generation))
+        kill = Kill(victim.name, time.time(), pids, name)
+        self.kills.append(kill)
+        self.start(name, wait=False)
+        log(f"killed {victim.name} ({len(pids)} processes); restarted as {name}")
+        return kill
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.is_running():
+                w.kill()
+            else:
+                with contextlib.suppress(ProcessLookupError):  # pool children of a killed parent
+                    os.killpg(w.pid, signal.SIGKILL)
+
+
+@dataclass
+class Execution:
+    """One run of a task's body: its start record and, if it got that far, its finish record."""
+
+    start: dict[str, Any]
+    finish: dict[str, Any] | None = None
+
+    @property
+    def runner(self) -> tuple[str, int]:
+        return str(self.start["node"]), int(self.start["pid"])
+
+    def lost_to(self, kills: list[Kill]) -> bool:
+        """Its process was SIGKILLed while it ran, or right after its body finished (before the result)."""
+        began, pid = self.start["at"], self.start["pid"]
+        ended = self.finish["at"] + LOST_AFTER_FINISH_SECONDS if self.finish else float("inf")
+        return any(pid in k.pids and began <= k.at <= ended for k in kills)
+
+
+@dataclass
+class Result:
+    tasks: int
+    success: int
+    finished_per_task: dict[int, int]
+    starts: int
+    extra_starts: int
+    explained_by_kills: int
+    lost_after_finish: int
+    unexplained_extra_starts: int
+    stale_copy_executions: int
+    kills: int
+    kills_same_name: int
+    recovered: int
+    recovered_by_trigger: dict[str, int]
+    stale_copies_dropped: int
+    marked_terminal: int
+    seconds: float
+    offenders: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [
+            f"tasks SUCCESS: {self.success} of {self.tasks}",
+            f"executions finished per task: {dict(sorted(self.finished_per_task.items()))} "
+            f"(must be {{1: {self.tasks}}})",
+            f"starts: {self.starts}; extra starts: {self.extra_starts}, explained by kills of that very "
+            f"execution: {self.explained_by_kills} (of which {self.lost_after_finish} killed after the body "
+            f"ended, before its result was stored), unexplained: {self.unexplained_extra_starts} (must be 0)",
+            f"stale-copy executions after recovery: {self.stale_copy_executions} (must be 0)",
+            f"kills: {self.kills} ({self.kills_same_name} restarted under the same name); recoveries: "
+            f"{self.recovered} {self.recovered_by_trigger}; stale copies dropped by the fence: "
+            f"{self.stale_copies_dropped}; marked terminal: {self.marked_terminal}",
+            f"duration: {self.seconds:.0f} s",
+            *self.offenders,
+        ]
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.success == self.tasks
+            and self.finished_per_task == {1: self.tasks}
+            and self.unexplained_extra_starts == 0
+            and self.stale_copy_executions == 0
+        )
+
+
+def executions_of(events: list[dict[str, Any]]) -> list[Execution]:
+    """Pair each start with the finish recorded by the same process after it."""
+    found: list[Execution] = []
+    running: dict[int, Execution] = {}
+    for e in sorted(events, key=lambda e: e["at"]):
+        if e["event"] == "start":
+            running[e["pid"]] = Execution(e)
+            found.append(running[e["pid"]])
+        elif e["pid"] in running:
+            running.pop(e["pid"]).finish = e
+    return found
+
+
+def stored_runner(result: object) -> tuple[str, int] | None:
+    """Which process's outcome the SUCCESS row holds (the task returns its node and pid)."""
+    try:
+        value = json.loads(result) if isinstance(result, str) else None
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or "pid" not in value:
+        return None
+    return str(value.get("node")), int(value["pid"])
+
+
+def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) -> Result:
+    """Count executions per task from their own records, the kills and the audit log."""
+    from django_celery_results.models import TaskResult
+
+    from celery_orphans.models import OrphanEvent
+
+    conn = _runs_redis()
+    events = {
+        task_id: [json.loads(raw) for raw in conn.lrange(RUNS_KEY.format(task_id), 0, -1)] for task_id in ids
+    }
+    recoveries: dict[str, list[tuple[int, float]]] = {}
+    audit = OrphanEvent.objects.filter(task_id__in=ids)
+    for task_id, action, attempt, created in audit.values_list("task_id", "action", "attempt", "created_at"):
+        if action == "recovered":
+            recoveries.setdefault(task_id, []).append((attempt or 0, created.timestamp()))
+    rows = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").values_list("task_id", "result")
+    stored = {task_id: stored_runner(result) for task_id, result in rows}
+    finished: Counter[int] = Counter()
+    starts = explained = after_finish = stale = 0
+    offenders = []
+    for task_id in ids:
+        runs = executions_of(events[task_id])
+        starts += len(runs)
+        # An execution counts as finished when its outcome is the one stored: a body that ended in a
+        # process killed before it could store the result did not finish the task, and must run again.
+        lost = [r for r in runs if r.lost_to(kills) and r.runner != stored.get(task_id)]
+        done = [r for r in runs if r.finish is not None and r not in lost]
+        finished[len(done)] += 1
+        explained += len(lost)
+        after_finish += sum(1 for r in lost if r.finish is not None)
+        # A copy older than a recovery already sent should have been dropped by the fence.
+        late = [
+            r
+            for r in runs
+            if any(a > r.start["attempt"] and at <= r.start["at"] for a, at in recoveries.get(task_id, []))
+        ]
+        stale += len(late)
+        if len(done) != 1 or len(runs) - len(lost) != 1 or late:
+            offenders.append(describe(task_id, runs, lost, recoveries.get(task_id, []), stored.get(task_id)))
+    by_trigger = Counter(audit.filter(action="recovered").values_list("trigger", flat=True))
+    return Result(
+        tasks=len(ids),
+        success=len(stored),
+        finished_per_task=dict(finished),
+        starts=starts,
+        extra_starts=starts - len(ids),
+        explained_by_kills=explained,
+        lost_after_finish=after_finish,
+        unexplained_extra_starts=starts - len(ids) - explained,
+        stale_copy_executions=stale,
+        kills=len(kills),
+        kills_same_name=sum(1 for k in kills if k.restarted_as == k.node),
+        recovered=sum(by_trigger.values()),
+        recovered_by_trigger=dict(by_trigger),
+        stale_copies_dropped=fleet_logs.count("dropped a stale copy"),
+        marked_terminal=audit.filter(action="marked_terminal").count(),
+        seconds=time.time() - started,
+        offenders=offenders[:20],
+    )
+
+
+def describe(
+    task_id: str,
+    runs: list[Execution],
+    lost: list[Execution],
+    recoveries: list[tuple[int, float]],
+    stored: tuple[str, int] | None,
+) -> str:
+    """One offending task's story, for the report."""
+    parts = [
+        f"{r.runner[0]}/{r.runner[1]} attempt {r.start['attempt']} {r.start['at']:.2f}-"
+        f"{r.finish['at'] if r.finish else float('nan'):.2f}{' lost' if r in lost else ''}"
+        for r in runs
+    ]
+    sent = ", ".join(f"attempt {a} at {at:.2f}" for a, at in sorted(recoveries))
+    return f"  {task_id}: runs [{'; '.join(parts)}]; recoveries [{sent}]; stored by {stored}"
+
+
+def sweep_loop(stop: threading.Event, every: float) -> None:
+    """The regular sweep, as Beat would run it every ``every`` seconds."""
+    from django.db import connection
+
+    from celery_orphans.tasks import reconcile
+
+    try:
+        while not stop.wait(every):
+            try:
+                outcome = reconcile.run()
+            except Exception as exc:  # a sweep that fails is logged and tried again, as Beat would
+                log(f"sweep failed: {type(exc).__name__}: {exc}")
+                continue
+            if "recovered 0 orphaned tasks, marked 0" not in str(outcome) and outcome != "locked":
+                log(f"sweep: {outcome}")
+    finally:
+        connection.close()
+
+
+def queued(queue: str) -> int:
+    """Messages waiting in the queue, on either broker."""
+    from celery import current_app
+
+    with current_app.connection_for_write() as conn:
+        try:
+            return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+        except conn.channel_errors:  # the Redis transport has no queue once its list is empty
+            return 0
+
+
+def delete_queue(queue: str) -> None:
+    """Remove the run's queue from the broker (a RabbitMQ queue outlives the run otherwise)."""
+    from celery import current_app
+    from kombu import Queue
+
+    with current_app.connection_for_write() as conn, contextlib.suppress(*conn.channel_errors):
+        Queue(queue, channel=conn.default_channel).delete()
+
+
+def route_beat_to(queue: str) -> None:
+    """Send Beat's reconcile task to ``queue``, which the run's workers consume."""
+    from django_celery_beat.models import PeriodicTask, PeriodicTasks
+
+    PeriodicTask.objects.filter(task="celery_orphans.reconcile").update(queue=queue, enabled=True)
+    PeriodicTasks.update_changed()
+
+
+def run(
+    *,
+    tasks: int,
+    kill_every: float,
+    workdir: Path,
+    env: dict[str, str],
+    sweeper: str = "loop",
+    sweep_every: float | None = None,
+    seed: int | None = None,
+    timeout: float = 3600,
+    say: Callable[[str], None] = log,
+) -> Result:
+    """One chaos run in this (Django-configured) process; the workers get ``env``."""
+    from celery_orphans.conf import settings
+
+    rng = random.Random(seed)
+    fleet = Fleet(workdir, env, run_id=uuid.uuid4().hex[:8])
+    stop = threading.Event()
+    started = time.time()
+    beat = None
+    try:
+        for i in range(3):
+            fleet.start(fleet.node(f"w{i}"))
+        if sweeper == "beat":
+            route_beat_to(fleet.sweep_queue)
+            beat = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "testproject", "beat", "--loglevel=INFO",
+                 "-S", "django_celery_beat.schedulers:DatabaseScheduler", "-s", str(workdir / "beat")],
+                cwd=PROJECT, env=env, stdout=open(workdir / "beat.log", "ab"),  # noqa: SIM115
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            sweeping = None
+        else:
+            every = sweep_every or float(settings.SWEEP_INTERVAL_SECONDS)
+            sweeping = threading.Thread(target=sweep_loop, args=(stop, every), daemon=True)
+            sweeping.start()
+        ids = [str(uuid.uuid4()) for _ in range(tasks)]
+        for task_id in ids:
+            work.apply_async((round(rng.uniform(0.5, 3.0), 2),), task_id=task_id, queue=fleet.queue)
+        say(f"queued {tasks} tasks on 3 workers; a kill every ~{kill_every:g} s")
+
+        from django_celery_results.models import TaskResult
+
+        deadline = time.monotonic() + timeout
+        next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
+        while True:
+            done = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").count()
+            if done == tasks or time.monotonic() > deadline:
+                break
+            if time.monotonic() >= next_kill:
+                fleet.kill_one(rng)
+                next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
+                say(f"{done} of {tasks} done, {len(fleet.kills)} kills")
+            time.sleep(0.2)
+        # Let whatever copies are still queued reach a worker (a stale one must be dropped, not run).
+        drained = time.monotonic() + 30
+        while queued(fleet.queue) and time.monotonic() < drained:
+            time.sleep(0.2)
+        return analyse(ids, fleet.kills, "".join(w.log() for w in fleet.workers), started)
+    finally:
+        stop.set()
+        if beat is not None and beat.poll() is None:
+            os.killpg(beat.pid, signal.SIGKILL)
+            beat.wait(timeout=10)
+        fleet.close()
+        for queue in (fleet.queue, fleet.sweep_queue):
+            delete_queue(queue)
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+
+def _ensure_database(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    import psycopg
+
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    admin = (
+        f"host={parts.hostname} port={parts.port or 5432} user={parts.username or 'postgres'} dbname=postgres"
+    )
+    with psycopg.connect(admin, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--kill-every", type=float, default=5.0, help="seconds between kills (jittered)")
+    parser.add_argument("--broker", choices=("redis", "amqp"), default="redis")
+    parser.add_argument("--sweeper", choices=("beat", "loop"), default="beat")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--visibility-timeout", type=int, default=30, help="Redis transport, in seconds")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep worker logs here")
+    args = parser.parse_args()
+
+    # Variables of its own, so a DATABASE_URL or REDIS_URL meant for the test suite is never used here.
+    database_url = os.environ.get("CHAOS_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/chaos_orphans")
+    redis_url = os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/14")
+    amqp_url = os.environ.get("CHAOS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "CELERY_BROKER_URL": amqp_url if args.broker == "amqp" else redis_url,
+        "CELERY_ORPHANS_ENABLED": "true",
+        # Short, so the transport restores killed workers' originals during the run: the fence must drop
+        # every one of them.
+        "TESTPROJECT_VISIBILITY_TIMEOUT": str(args.visibility_timeout),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(PROJECT)]),
+    }
+    os.environ.update(env)
+    sys.path[:0] = [str(ROOT), str(PROJECT)]
+    _ensure_database(database_url)
+
+    import django
+
+    django.setup()
+    import tempfile
+
+    import redis
+    from django.core.management import call_command
+    from django_celery_results.models import TaskResult
+
+    from benchmarks import chaos  # the task, bound to the test project's app
+    from celery_orphans.models import OrphanEvent
+
+    call_command("migrate", verbosity=0)
+    redis.Redis.from_url(redis_url).flushdb()
+    TaskResult.objects.all().delete()
+    OrphanEvent.objects.all().delete()
+
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = chaos.run(
+            tasks=args.tasks,
+            kill_every=args.kill_every,
+            workdir=workdir,
+            env=env,
+            sweeper=args.sweeper,
+            seed=args.seed,
+            timeout=args.timeout,
+        )
+    print(f"\nchaos, broker {args.broker}, sweeper {args.sweeper}:")
+    for line in result.lines():
+        print(f"  {line}")
+    print("  PASS" if result.ok else "  FAIL")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

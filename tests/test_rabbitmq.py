@@ -1,0 +1,232 @@
+"""The core recoveries with RabbitMQ as the broker (the ledger and leases stay in Redis).
+
+RabbitMQ differs from the Redis transport where it matters most: when a worker's connection drops, the
+broker puts its unacknowledged messages back in the queue at once. So after a SIGKILL two copies of an
+orphan can meet a worker: RabbitMQ's redelivery of the original, and the copy a sweep sent. Whichever
+order they come in, the task must run to completion exactly once.
+
+The workers get the broker through ``CELERY_BROKER_URL``; this test process has already read its broker
+at settings import, so the ``amqp_broker`` fixture switches the Celery app's configuration and drops the
+connection and producer pools it cached, and restores both afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django_celery_results.models import TaskResult
+from kombu import Connection, Exchange, Queue, pools
+
+from celery_orphans import sweep
+from celery_orphans.ledger import Ledger
+from celery_orphans.models import OrphanEvent, Trigger
+from celery_orphans.reconcile import Action, Evidence
+from celery_orphans.store import Keys, client
+from tests.workers import wait_for
+
+pytestmark = pytest.mark.worker
+
+AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+AMQP = {"CELERY_BROKER_URL": AMQP_URL}
+QUEUES = ("celery", "rmq-solo")
+
+
+def _reset_pools(app: Any) -> None:
+    """Close every pooled broker connection and forget the pools, so the next use opens a new one.
+
+    The app caches its connection pool (``app._pool``) and producer pool (``app.amqp._producer_pool``);
+    both come from kombu's process-wide registries, keyed by connection URL, where a closed pool would
+    be handed out again for the same URL: those are emptied too.
+    """
+    app.pool.force_close_all()
+    pools.reset()
+    app._pool = None
+    app.amqp._producer_pool = None
+
+
+def purge(*names: str) -> None:
+    """Empty the queues (declaring them if needed): a queue on RabbitMQ outlives a test run."""
+    with Connection(AMQP_URL) as conn:
+        channel = conn.default_channel
+        for name in names:
+            queue = Queue(name, Exchange(name), name, channel=channel)
+            queue.declare()
+            queue.purge()
+
+
+@pytest.fixture
+def amqp_broker(celery_app: Any) -> Iterator[str]:
+    """Point this process's Celery app at RabbitMQ for the test; put the previous broker back after."""
+    with Connection(AMQP_URL, connect_timeout=5) as conn:
+        conn.ensure_connection(max_retries=1)  # RabbitMQ must be up: start it with rabbitmq-server -detached
+    previous_env = os.environ.get("CELERY_BROKER_URL")
+    previous_conf = celery_app.conf.broker_url
+    _reset_pools(celery_app)
+    # Celery's conf reads the environment variable first, then the setting.
+    os.environ["CELERY_BROKER_URL"] = AMQP_URL
+    celery_app.conf.broker_url = AMQP_URL
+    purge(*QUEUES)
+    try:
+        assert celery_app.connection_for_write().transport.driver_type == "amqp"
+        yield AMQP_URL
+    finally:
+        _reset_pools(celery_app)
+        celery_app.conf.broker_url = previous_conf
+        if previous_env is None:
+            os.environ.pop("CELERY_BROKER_URL", None)
+        else:
+            os.environ["CELERY_BROKER_URL"] = previous_env
+        purge(*QUEUES)
+
+
+def begun(task_id: str, timeout: float = 20) -> None:
+    """The task's body has begun (its row may say STARTED a moment before the body runs)."""
+    from demoapp.tasks import runs
+
+    wait_for(lambda: any(e.startswith("start") for e in runs(task_id)), timeout, f"{task_id} to begin")
+
+
+def executions(task_id: str) -> list[str]:
+    from demoapp.tasks import runs
+
+    return [e.split(":")[0] for e in runs(task_id)]
+
+
+def ledger_emptied() -> None:
+    # The result is stored by the pool process; the entry goes a moment later, at the main process's ack.
+    wait_for(lambda: Ledger(client(), Keys.current()).count() == 0, 15, "every ledger entry to be released")
+
+
+def sweep_now() -> sweep.Report:
+    return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
+
+
+def sweep_until_recovered(task_ids: set[str], timeout: float = 20) -> dict[str, sweep.Outcome]:
+    """Sweep until every task was recovered (a killed worker's lease takes a moment to lapse)."""
+    recovered: dict[str, sweep.Outcome] = {}
+
+    def attempt() -> bool:
+        for o in sweep_now().outcomes:
+            if o.decision.task_id in task_ids and o.done and o.decision.action is Action.RECOVER:
+                recovered[o.decision.task_id] = o
+        return set(recovered) == task_ids
+
+    wait_for(attempt, timeout, f"{len(task_ids)} tasks to be recovered", interval=0.3)
+    return recovered
+
+
+def test_killed_worker_restarted_under_its_name_runs_the_task_again_with_the_same_id(
+    workers: Any, amqp_broker: str
+) -> None:
+    from demoapp.tasks import summarize
+
+    worker = workers.start("rmq-same@test", env=AMQP)
+    result = summarize.delay([1, 2, 3], seconds=4)
+    begun(result.id)
+    worker.kill()
+    restarted = workers.start("rmq-same@test", env=AMQP)
+
+    # RabbitMQ hands the restarted worker the original again; a sweep meanwhile must not add a run.
+    for _ in range(3):
+        sweep_now()
+
+    assert result.get(timeout=30) == 6
+    assert TaskResult.objects.get(task_id=result.id).status == "SUCCESS"
+    assert executions(result.id) == ["start", "start", "finish"]
+    assert "rmq-same@test" in restarted.log() and result.id in restarted.log()
+    ledger_emptied()
+
+
+def test_worker_that_never_returns_is_recovered_onto_another_and_the_redelivered_original_is_dropped(
+    workers: Any, amqp_broker: str
+) -> None:
+    from demoapp.tasks import summarize
+
+    doomed = workers.start("rmq-doomed@test", env=AMQP, queues=("rmq-solo",))
+    workers.start("rmq-other@test", env=AMQP)
+    result = summarize.apply_async(([4, 5],), {"seconds": 4}, queue="rmq-solo")
+    begun(result.id)
+    doomed.kill()
+
+    [outcome] = sweep_until_recovered({result.id}).values()
+    assert outcome.decision.evidence is Evidence.NO_REPLY_LEASE_LAPSED
+    # Both copies now wait in the queue: RabbitMQ's redelivery of the original and the recovered one.
+    survivor = workers.start("rmq-survivor@test", env=AMQP, queues=("rmq-solo",))
+
+    assert result.get(timeout=30) == 9
+    assert TaskResult.objects.get(task_id=result.id).worker == "rmq-survivor@test"
+    wait_for(lambda: "dropped a stale copy" in survivor.log(), 20, "the redelivered original to be dropped")
+    assert executions(result.id) == ["start", "start", "finish"]
+    assert OrphanEvent.objects.get(task_id=result.id).attempt == 1
+
+
+@pytest.mark.parametrize("order", ["sweep-then-restart", "restart-then-sweep"])
+def test_rabbitmq_redelivery_and_our_recovery_together_never_run_a_task_twice(
+    order: str, workers: Any, amqp_broker: str
+) -> None:
+    from demoapp.tasks import summarize
+
+    worker = workers.start("rmq-many@test", env=AMQP, concurrency=4)
+    results = [summarize.delay([i], seconds=3) for i in range(4)]
+    for r in results:
+        begun(r.id)
+    worker.kill()
+    ids = {r.id for r in results}
+
+    if order == "sweep-then-restart":
+        sweep_until_recovered(ids)
+        workers.start("rmq-many@test", env=AMQP, concurrency=4)
+    else:
+        workers.start("rmq-many@test", env=AMQP, concurrency=4)
+        for _ in range(6):  # while the redelivered originals run, and after
+            sweep_now()
+
+    assert sorted(r.get(timeout=40) for r in results) == [0, 1, 2, 3]
+    for _ in range(2):
+        sweep_now()  # nothing left that a sweep could send again
+    for r in results:
+        assert executions(r.id).count("finish") == 1, executions(r.id)
+        assert executions(r.id).count("start") == 2, executions(r.id)
+    assert set(TaskResult.objects.filter(task_id__in=ids).values_list("status", flat=True)) == {"SUCCESS"}
+    ledger_emptied()
+    if order == "sweep-then-restart":
+        recovered = OrphanEvent.objects.filter(task_id__in=ids, action="recovered")
+        assert Counter(recovered.values_list("task_id", flat=True)) == Counter(ids)
+
+
+# A lease that outlives the restart, as the defaults' 10 s lease does for a worker restarted in place.
+LONG_LEASE = {**AMQP, "CELERY_ORPHANS_LEASE_SECONDS": "10", "CELERY_ORPHANS_HEARTBEAT_SECONDS": "1"}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="On RabbitMQ a task that kills its worker every time is never capped: when the worker dies the "
+    "broker re-delivers the message at once, the restarted worker admits it as a new execution of the same "
+    "attempt (the fence counts only the recoveries a sweep or a pool loss makes), and the entry it replaces "
+    "is never judged, since its token changes while the dead boot's lease is still fresh. The task runs "
+    "and kills its worker for ever, as task_reject_on_worker_lost would. Fix: have the ledger's admit "
+    "count a delivery that replaces an unreleased entry of the same message (celery_orphans/ledger.py "
+    "_ADMIT, request.py) as a recovery once the replaced boot is proven gone, and mark the task terminal "
+    "at its cap as pool_loss.take_over does.",
+)
+def test_poison_task_on_rabbitmq_ends_terminal_after_max_attempts(workers: Any, amqp_broker: str) -> None:
+    from demoapp.tasks import poison
+
+    result = poison.delay()  # @recoverable(max_attempts=2); kills its worker every time
+    worker = workers.start("rmq-poison@test", env=LONG_LEASE)
+    for _ in range(5):
+        wait_for(lambda w=worker: not w.is_running(), 20, "the poison task to kill its worker")
+        if TaskResult.objects.filter(task_id=result.id, status="FAILURE").exists():
+            break
+        # Restarted in place, as systemd would: RabbitMQ hands it the task again at once.
+        worker = workers.start("rmq-poison@test", env=LONG_LEASE)
+        sweep_now()
+
+    assert TaskResult.objects.get(task_id=result.id).status == "FAILURE", executions(result.id)
+    assert OrphanEvent.objects.filter(task_id=result.id, action="recovered").count() == 2
+    assert executions(result.id).count("start") == 3
