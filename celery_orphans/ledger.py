@@ -29,11 +29,13 @@ ENTRY_VERSION = 1
 # fence's TTL. Then, carried along so an acknowledgement costs the worker no round trip of its own:
 # KEYS[5..] entries to remove, ARGV[9..] their token and task id in pairs. Those go first, so an entry
 # being replaced by a new copy of the same task is removed before it is.
-# An entry of the same copy (retries and attempt) that is still there, written by another execution and
-# not claimed by a recovery, is an orphan the broker has delivered again (RabbitMQ does at once when a
-# worker dies): the delivery counts as a recovery, up to the cap. The fence's 'copy' is the attempt
-# the current copy carries, which such a count leaves as it was; the fence drops copies older than it.
-# Returns {0 stale / 1 admitted / 2 admitted with a checkpoint, recoveries, 1 counted / 2 at the cap}.
+# An entry of the same copy (retries and attempt) still there, written by another execution, is an
+# orphan the broker has delivered again (RabbitMQ does at once when a worker dies): the delivery counts
+# as a recovery, up to the cap. A copy a recovery sent carries a higher attempt than the entry it
+# replaces, and is not counted again. The fence's 'copy' is the attempt the current copy carries, which
+# such a count leaves as it was; the fence drops copies older than it.
+# Returns {0 stale / 1 admitted / 2 admitted with a checkpoint, recoveries, 1 counted / 2 at the cap},
+# and for a redelivery, the entry it replaced: the record names the worker that lost the task.
 _ADMIT = """
 for i = 5, #KEYS do
   local j = 9 + 2 * (i - 5)
@@ -42,7 +44,7 @@ for i = 5, #KEYS do
     redis.call('ZREM', KEYS[3], ARGV[j + 1])
   end
 end
-local f = redis.call('HMGET', KEYS[1], 'attempts', 'retries', 'terminal', 'copy', 'claimed')
+local f = redis.call('HMGET', KEYS[1], 'attempts', 'retries', 'terminal', 'copy')
 local attempts = tonumber(f[1]) or 0
 local retries = tonumber(f[2]) or -1
 local msg_retries = tonumber(ARGV[2])
@@ -53,10 +55,11 @@ if msg_retries < retries or (msg_retries == retries and msg_attempt < current) t
   return {0, attempts, 0}
 end
 local copy = ARGV[2] .. ':' .. ARGV[3]
-local redelivered = 0
+local redelivered, lost = 0, false
 if tonumber(ARGV[7]) > 0 then
-  local old = redis.call('HMGET', KEYS[2], 'token', 'copy')
-  if old[1] and old[2] == copy and old[1] ~= f[5] then
+  local old = redis.call('HMGET', KEYS[2], 'token', 'copy', 'entry')
+  if old[1] and old[2] == copy then
+    lost = old[3]
     if attempts >= tonumber(ARGV[7]) then
       redelivered = 2
     else
@@ -69,7 +72,7 @@ if tonumber(ARGV[7]) > 0 then
 end
 redis.call('HSET', KEYS[2], 'token', ARGV[4], 'entry', ARGV[5], 'copy', copy)
 redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
-return {1 + redis.call('EXISTS', KEYS[4]), attempts, redelivered}
+return {1 + redis.call('EXISTS', KEYS[4]), attempts, redelivered, lost}
 """
 
 _RELEASE = """
@@ -377,6 +380,7 @@ class Admission:
     attempts: int = 0  # the fence's recovery count, this delivery's included
     redelivered: bool = False  # it re-delivers an orphan's copy, and was counted as a recovery
     limit_reached: bool = False  # it re-delivers an orphan's copy, but the count had reached the cap
+    lost: Entry | str | None = None  # the entry of the execution that lost it, as ``Ledger.load`` reads it
 
 
 @dataclass(frozen=True)
@@ -430,7 +434,7 @@ class Ledger:
         (kept ``ttl`` seconds) unless the count had reached ``cap``, which the answer says instead.
         """
         d = entry.delivery
-        written, attempts, redelivered = self._admit(
+        written, attempts, redelivered, *lost = self._admit(
             keys=[
                 self.keys.fence(entry.task_id),
                 self.keys.entry(entry.task_id),
@@ -456,6 +460,7 @@ class Ledger:
             attempts=int(attempts),
             redelivered=int(redelivered) == 1,
             limit_reached=int(redelivered) == 2,
+            lost=_parse(entry.task_id, b"", lost[0] if lost else None),
         )
 
     def release(self, task_id: str, token: str) -> bool:

@@ -69,11 +69,16 @@ def take_over(request: Any, exc_info: Any) -> bool:
 
 
 def act(
-    request: Any, beat: leases.Heartbeat, attempts: int, decide: Callable[[Candidate, Policy], Decision]
+    request: Any,
+    beat: leases.Heartbeat,
+    attempts: int,
+    decide: Callable[[Candidate, Policy], Decision],
+    lost_on: str | None = None,
 ) -> Outcome:
     """Decide about a recoverable task this worker's main process holds, and carry it out as the worker.
 
-    ``attempts`` is the fence's recovery count the decision starts from.
+    ``attempts`` is the fence's recovery count the decision starts from; ``lost_on`` the node whose run
+    of the task was lost, when it was another worker's.
     """
     policy = registry.policy_of(request.task)
     assert policy is not None  # only recoverable tasks get this request class
@@ -82,7 +87,7 @@ def act(
     candidate = Candidate(
         task_id=request.id,
         task_name=request.name,
-        worker=beat.node,
+        worker=lost_on or beat.node,
         boot=beat.boot,
         started_at=timezone.now(),
         row_status=None,
@@ -105,4 +110,4 @@ def act(
     from celery_orphans.sweep import Options, Outcome
 
     executor = actions.Executor(request.task.app, ledger, Options(trigger=Trigger.WORKER), timezone.now())
-    return executor.carry_out(Outcome(decision, request.name, beat.node), candidate, entry)
+    return executor.carry_out(Outcome(decision, request.name, lost_on or beat.node), candidate, entry)

@@ -20,7 +20,7 @@ from django.db import DatabaseError
 
 from celery_orphans import leases, registry
 from celery_orphans.conf import settings
-from celery_orphans.ledger import Admission
+from celery_orphans.ledger import Admission, Entry
 from celery_orphans.reconcile import after_redelivery
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ def take_over(request: Any, admission: Admission) -> bool:
     before = admission.attempts - 1 if admission.redelivered else admission.attempts
     decide = functools.partial(after_redelivery, limit_reached=admission.limit_reached)
     try:
-        outcome = pool_loss.act(request, beat, before, decide)
+        lost_on = admission.lost.node if isinstance(admission.lost, Entry) else None
+        outcome = pool_loss.act(request, beat, before, decide, lost_on)
     except (redis.RedisError, DatabaseError) as exc:
         # The count stands in the fence; only its record (or, at the cap, the terminal mark) is missing,
         # and the task runs, as it would have without celery-orphans.
