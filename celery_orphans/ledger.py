@@ -119,7 +119,8 @@ LOAD_CHUNK = 1000
 
 # Claims an orphan for one action, only if nothing moved since the sweep looked: the entry still
 # carries the observed token (or is still absent), no other sweep holds it, and the recovery count is
-# unchanged. A recovery records in the fence which entry it claimed ('claimed'), and once its message is
+# unchanged. A recovery records in the fence which entry it claimed ('claimed') and that the copy it sends
+# carries the new count ('copy', see _ADMIT), and once its message is
 # out, which entry it sent ('sent'): an entry left behind after that is never sent again, only its
 # bookkeeping is finished ('complete'). Both leave the entry in place until the claimer commits
 # (actions.py), so they also hold it ('held', 'held_until' on the entry): a sweep that looks before that
