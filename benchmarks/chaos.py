@@ -305,6 +305,7 @@ def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) 
     from django_celery_results.models import TaskResult
 
     from celery_orphans.models import OrphanEvent
+    from celery_orphans.reconcile import Evidence
 
     conn = _runs_redis()
     events = {
@@ -312,8 +313,11 @@ def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) 
     }
     recoveries: dict[str, list[tuple[int, float]]] = {}
     audit = OrphanEvent.objects.filter(task_id__in=ids)
-    for task_id, action, attempt, created in audit.values_list("task_id", "action", "attempt", "created_at"):
-        if action == "recovered":
+    fields = ("task_id", "action", "attempt", "created_at", "evidence")
+    for task_id, action, attempt, created, evidence in audit.values_list(*fields):
+        # A redelivery the broker made is counted as a recovery but sends no newer copy: the copy it
+        # counts carries its old attempt and is the current one, not a stale one.
+        if action == "recovered" and evidence != Evidence.BROKER_REDELIVERED:
             recoveries.setdefault(task_id, []).append((attempt or 0, created.timestamp()))
     rows = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").values_list("task_id", "result")
     stored = {task_id: stored_runner(result) for task_id, result in rows}

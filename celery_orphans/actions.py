@@ -24,7 +24,7 @@ from celery_orphans import audit, broker, leases, metrics, rows, signals
 from celery_orphans.checkpoints import CheckpointStore
 from celery_orphans.conf import settings
 from celery_orphans.ledger import Entry, Ledger
-from celery_orphans.reconcile import Action, Candidate, Decision, Reason
+from celery_orphans.reconcile import Action, Candidate, Decision, Evidence, Reason
 
 if TYPE_CHECKING:
     from celery_orphans.sweep import Options, Outcome
@@ -55,12 +55,15 @@ class Executor:
         decision = outcome.decision
         saved = None
         completing = decision.reason is Reason.ALREADY_SENT
+        redelivered = decision.action is Action.RECOVER and decision.evidence is Evidence.BROKER_REDELIVERED
         first_record = True
         try:
             with transaction.atomic():
                 if completing:
                     assert entry is not None  # decide() says already sent only of an entry
                     first_record = self._complete(decision, candidate, entry)
+                elif redelivered:
+                    pass  # the broker sent it again and the admit counted it: only the record is left
                 elif decision.action is Action.RECOVER:
                     assert entry is not None  # decide() recovers only with an entry
                     # Read before the claim: once the message is sent, a failure here must not undo it.
@@ -100,7 +103,8 @@ class Executor:
         done = dataclasses.replace(outcome, decision=decision, done=True)
         logger.info("celery-orphans: %s", describe(done))
         if not completing:  # the sweep that sent it counted it
-            self._count(done, entry)
+            # A redelivery's entry is the new execution's: the lost one's last beat is not at hand.
+            self._count(done, None if redelivered else entry)
         if first_record:  # announced when the recovery's record is committed, once
             signals.announce(done, self.options.trigger)
         return done
@@ -109,8 +113,9 @@ class Executor:
         d = outcome.decision
         if d.action is Action.MARK_TERMINAL:
             metrics.marked_terminal(outcome.task_name, d.reason.value)
-        elif d.action is Action.RECOVER and entry is not None:
-            metrics.recovered(outcome.task_name, d.evidence.value, self._since_last_beat(entry))
+        elif d.action is Action.RECOVER:
+            since = None if entry is None else self._since_last_beat(entry)
+            metrics.recovered(outcome.task_name, d.evidence.value, since)
 
     def _since_last_beat(self, entry: Entry) -> float | None:
         # The action is done by now: a metric that cannot be measured must not undo it.

@@ -24,29 +24,55 @@ from celery_orphans.store import Keys
 HEADER = "celery_orphans"
 ENTRY_VERSION = 1
 
-# KEYS[1..4]: the task's fence, entry, the in-flight index, its checkpoint. ARGV[1..6]: task id, retries,
-# recovery attempt, token, entry JSON, time. Then, carried along so an acknowledgement costs the worker
-# no round trip of its own: KEYS[5..] entries to remove, ARGV[7..] their token and task id in pairs.
-# Those go first, so an entry being replaced by a new copy of the same task is removed before it is.
+# KEYS[1..4]: the task's fence, entry, the in-flight index, its checkpoint. ARGV[1..8]: task id, retries,
+# recovery attempt, token, entry JSON, time, the task's recovery cap (0: count no redelivery) and the
+# fence's TTL. Then, carried along so an acknowledgement costs the worker no round trip of its own:
+# KEYS[5..] entries to remove, ARGV[9..] their token and task id in pairs. Those go first, so an entry
+# being replaced by a new copy of the same task is removed before it is.
+# An entry of the same copy (retries and attempt) still there, written by another execution, is an
+# orphan the broker has delivered again (RabbitMQ does at once when a worker dies): the delivery counts
+# as a recovery, up to the cap. A copy a recovery sent carries a higher attempt than the entry it
+# replaces, and is not counted again. The fence's 'copy' is the attempt the current copy carries, which
+# such a count leaves as it was; the fence drops copies older than it.
+# Returns {0 stale / 1 admitted / 2 admitted with a checkpoint, recoveries, 1 counted / 2 at the cap},
+# and for a redelivery, the entry it replaced: the record names the worker that lost the task.
 _ADMIT = """
 for i = 5, #KEYS do
-  local j = 7 + 2 * (i - 5)
+  local j = 9 + 2 * (i - 5)
   if redis.call('HGET', KEYS[i], 'token') == ARGV[j] then
     redis.call('DEL', KEYS[i])
     redis.call('ZREM', KEYS[3], ARGV[j + 1])
   end
 end
-local f = redis.call('HMGET', KEYS[1], 'attempts', 'retries', 'terminal')
+local f = redis.call('HMGET', KEYS[1], 'attempts', 'retries', 'terminal', 'copy')
 local attempts = tonumber(f[1]) or 0
 local retries = tonumber(f[2]) or -1
 local msg_retries = tonumber(ARGV[2])
 local msg_attempt = tonumber(ARGV[3])
-if f[3] == '1' and msg_retries <= retries then return 0 end
-if msg_retries < retries or (msg_retries == retries and msg_attempt < attempts) then return 0 end
-redis.call('HSET', KEYS[2], 'token', ARGV[4], 'entry', ARGV[5])
+local current = tonumber(f[4]) or attempts
+if f[3] == '1' and msg_retries <= retries then return {0, attempts, 0} end
+if msg_retries < retries or (msg_retries == retries and msg_attempt < current) then
+  return {0, attempts, 0}
+end
+local copy = ARGV[2] .. ':' .. ARGV[3]
+local redelivered, lost = 0, false
+if tonumber(ARGV[7]) > 0 then
+  local old = redis.call('HMGET', KEYS[2], 'token', 'copy', 'entry')
+  if old[1] and old[2] == copy then
+    lost = old[3]
+    if attempts >= tonumber(ARGV[7]) then
+      redelivered = 2
+    else
+      attempts = attempts + 1
+      redelivered = 1
+      redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[2], 'copy', ARGV[3])
+      redis.call('EXPIRE', KEYS[1], ARGV[8])
+    end
+  end
+end
+redis.call('HSET', KEYS[2], 'token', ARGV[4], 'entry', ARGV[5], 'copy', copy)
 redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
-if redis.call('EXISTS', KEYS[4]) == 1 then return 2 end
-return 1
+return {1 + redis.call('EXISTS', KEYS[4]), attempts, redelivered, lost}
 """
 
 _RELEASE = """
@@ -93,7 +119,8 @@ LOAD_CHUNK = 1000
 
 # Claims an orphan for one action, only if nothing moved since the sweep looked: the entry still
 # carries the observed token (or is still absent), no other sweep holds it, and the recovery count is
-# unchanged. A recovery records in the fence which entry it claimed ('claimed'), and once its message is
+# unchanged. A recovery records in the fence which entry it claimed ('claimed') and that the copy it sends
+# carries the new count ('copy', see _ADMIT), and once its message is
 # out, which entry it sent ('sent'): an entry left behind after that is never sent again, only its
 # bookkeeping is finished ('complete'). Both leave the entry in place until the claimer commits
 # (actions.py), so they also hold it ('held', 'held_until' on the entry): a sweep that looks before that
@@ -123,7 +150,7 @@ end
 if mode == 'recover' then
   if redis.call('HGET', KEYS[1], 'sent') == ARGV[1] then return -1 end
   attempts = attempts + 1
-  redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[3], 'claimed', ARGV[1])
+  redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[3], 'claimed', ARGV[1], 'copy', attempts)
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   if token then
     redis.call('HSET', KEYS[2], 'held', token, 'held_until', now + tonumber(ARGV[7]))
@@ -346,6 +373,18 @@ def delivery_from_message(message: Any) -> Delivery:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """What admitting a delivery found, in the one call that recorded it."""
+
+    admitted: bool  # False: a stale copy, to drop
+    checkpoint: bool = False  # the task has a checkpoint
+    attempts: int = 0  # the fence's recovery count, this delivery's included
+    redelivered: bool = False  # it re-delivers an orphan's copy, and was counted as a recovery
+    limit_reached: bool = False  # it re-delivers an orphan's copy, but the count had reached the cap
+    lost: Entry | str | None = None  # the entry of the execution that lost it, as ``Ledger.load`` reads it
+
+
+@dataclass(frozen=True)
 class Fence:
     """A task's fence: the recoveries made, and the token of the entry the latest one claimed and sent."""
 
@@ -375,7 +414,7 @@ class Ledger:
 
     def admit(self, entry: Entry) -> bool:
         """Record ``entry`` unless its delivery is a stale copy; ``False`` means drop it."""
-        return self.admit_noting_checkpoint(entry)[0]
+        return self.admit_delivery(entry).admitted
 
     def admit_noting_checkpoint(
         self, entry: Entry, releases: Sequence[tuple[str, str]] = ()
@@ -384,28 +423,46 @@ class Ledger:
 
         ``releases`` (``(task_id, token)`` pairs) are removed as ``release`` would, first, in that call.
         """
+        admission = self.admit_delivery(entry, releases)
+        return admission.admitted, admission.checkpoint
+
+    def admit_delivery(
+        self, entry: Entry, releases: Sequence[tuple[str, str]] = (), *, cap: int = 0, ttl: int = 0
+    ) -> Admission:
+        """``admit_noting_checkpoint``, counting a broker's redelivery of an orphan against ``cap``.
+
+        With ``cap`` 0 a redelivery is admitted as any copy is; otherwise it raises the fence's count
+        (kept ``ttl`` seconds) unless the count had reached ``cap``, which the answer says instead.
+        """
         d = entry.delivery
-        written = int(
-            self._admit(
-                keys=[
-                    self.keys.fence(entry.task_id),
-                    self.keys.entry(entry.task_id),
-                    self.keys.inflight,
-                    self.keys.checkpoint(entry.task_id),
-                    *(self.keys.entry(task_id) for task_id, _ in releases),
-                ],
-                args=[
-                    entry.task_id,
-                    d.retries,
-                    d.attempt,
-                    entry.token,
-                    entry.to_json(),
-                    entry.recorded_at,
-                    *(value for task_id, token in releases for value in (token, task_id)),
-                ],
-            )
+        written, attempts, redelivered, *lost = self._admit(
+            keys=[
+                self.keys.fence(entry.task_id),
+                self.keys.entry(entry.task_id),
+                self.keys.inflight,
+                self.keys.checkpoint(entry.task_id),
+                *(self.keys.entry(task_id) for task_id, _ in releases),
+            ],
+            args=[
+                entry.task_id,
+                d.retries,
+                d.attempt,
+                entry.token,
+                entry.to_json(),
+                entry.recorded_at,
+                cap,
+                ttl,
+                *(value for task_id, token in releases for value in (token, task_id)),
+            ],
         )
-        return written > 0, written == 2
+        return Admission(
+            admitted=int(written) > 0,
+            checkpoint=int(written) == 2,
+            attempts=int(attempts),
+            redelivered=int(redelivered) == 1,
+            limit_reached=int(redelivered) == 2,
+            lost=_parse(entry.task_id, b"", lost[0] if lost else None),
+        )
 
     def release(self, task_id: str, token: str) -> bool:
         """Remove the entry if it is still the one written with ``token``."""

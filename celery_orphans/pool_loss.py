@@ -9,8 +9,9 @@ once the cap is reached.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
@@ -23,9 +24,12 @@ from celery_orphans import actions, leases, registry
 from celery_orphans.conf import settings
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import Trigger
-from celery_orphans.reconcile import Candidate, Policy, after_pool_loss
+from celery_orphans.reconcile import Candidate, Decision, Policy, after_pool_loss
 from celery_orphans.request import entry_for
 from celery_orphans.store import Keys, client
+
+if TYPE_CHECKING:
+    from celery_orphans.sweep import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -44,40 +48,11 @@ def take_over(request: Any, exc_info: Any) -> bool:
         return False
     if not is_pool_loss(request, exc_info.exception):
         return False
-    policy = registry.policy_of(request.task)
-    if policy is None:
+    if registry.policy_of(request.task) is None:
         return False
     try:
-        ledger = Ledger(client(), Keys.current())
-        attempts = ledger.attempts([request.id])[request.id]
-        entry = entry_for(request, beat, request._orphans_token)
-        candidate = Candidate(
-            task_id=request.id,
-            task_name=request.name,
-            worker=beat.node,
-            boot=beat.boot,
-            started_at=timezone.now(),
-            row_status=None,
-            has_entry=True,
-            attempts=attempts,
-            recoverable=True,
-            group=policy.group,
-            max_attempts=policy.max_attempts,
-            content_type=entry.delivery.content_type,
-        )
-        decision = after_pool_loss(
-            candidate,
-            Policy(
-                now=timezone.now(),
-                grace=timedelta(0),
-                max_attempts=settings.MAX_ATTEMPTS,
-                groups=settings.GROUPS,
-            ),
-        )
-        from celery_orphans.sweep import Options, Outcome
-
-        executor = actions.Executor(request.task.app, ledger, Options(trigger=Trigger.WORKER), timezone.now())
-        outcome = executor.carry_out(Outcome(decision, request.name, beat.node), candidate, entry)
+        attempts = Ledger(client(), Keys.current()).attempts([request.id])[request.id]
+        outcome = act(request, beat, attempts, after_pool_loss)
     except (redis.RedisError, DatabaseError) as exc:
         logger.error(
             "celery-orphans: could not take over %s[%s] after its pool process died: %s",
@@ -91,3 +66,48 @@ def take_over(request: Any, exc_info: Any) -> bool:
     task_ready(request)
     request.acknowledge()
     return True
+
+
+def act(
+    request: Any,
+    beat: leases.Heartbeat,
+    attempts: int,
+    decide: Callable[[Candidate, Policy], Decision],
+    lost_on: str | None = None,
+) -> Outcome:
+    """Decide about a recoverable task this worker's main process holds, and carry it out as the worker.
+
+    ``attempts`` is the fence's recovery count the decision starts from; ``lost_on`` the node whose run
+    of the task was lost, when it was another worker's.
+    """
+    policy = registry.policy_of(request.task)
+    assert policy is not None  # only recoverable tasks get this request class
+    ledger = Ledger(client(), Keys.current())
+    entry = entry_for(request, beat, request._orphans_token)
+    candidate = Candidate(
+        task_id=request.id,
+        task_name=request.name,
+        worker=lost_on or beat.node,
+        boot=beat.boot,
+        started_at=timezone.now(),
+        row_status=None,
+        has_entry=True,
+        attempts=attempts,
+        recoverable=True,
+        group=policy.group,
+        max_attempts=policy.max_attempts,
+        content_type=entry.delivery.content_type,
+    )
+    decision = decide(
+        candidate,
+        Policy(
+            now=timezone.now(),
+            grace=timedelta(0),
+            max_attempts=settings.MAX_ATTEMPTS,
+            groups=settings.GROUPS,
+        ),
+    )
+    from celery_orphans.sweep import Options, Outcome
+
+    executor = actions.Executor(request.task.app, ledger, Options(trigger=Trigger.WORKER), timezone.now())
+    return executor.carry_out(Outcome(decision, request.name, lost_on or beat.node), candidate, entry)

@@ -36,6 +36,7 @@ class Evidence(str, enum.Enum):
     NO_REPLY_NO_LEASE = "no_reply_no_lease"
     FOUND_AT_BOOT = "found_at_boot"  # the worker's next boot found it among its own name's tasks
     POOL_CHILD_LOST = "pool_child_lost"  # its pool process died (often the OOM killer); the worker lived
+    BROKER_REDELIVERED = "broker_redelivered"  # the broker delivered it again over its unreleased entry
     NONE = ""
 
 
@@ -65,6 +66,7 @@ ORPHAN_EVIDENCE = frozenset(
         Evidence.NO_REPLY_NO_LEASE,
         Evidence.FOUND_AT_BOOT,
         Evidence.POOL_CHILD_LOST,
+        Evidence.BROKER_REDELIVERED,
     }
 )
 
@@ -191,6 +193,21 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
 def after_pool_loss(candidate: Candidate, policy: Policy) -> Decision:
     """The worker saw the pool process running this task die: recover it, within the same cap."""
     return _act_on_orphan(candidate, Evidence.POOL_CHILD_LOST, policy)
+
+
+def after_redelivery(candidate: Candidate, policy: Policy, *, limit_reached: bool) -> Decision:
+    """The broker delivered an orphan's message again and the ledger counted it, or found the cap reached.
+
+    ``candidate.attempts`` is the count before this delivery. The broker has already sent the task
+    again, so only the cap can stop it: a group switched off or an unsafe message governs what a
+    sweep sends, not what the broker does.
+    """
+    c, cap, evidence = candidate, candidate.max_attempts or policy.max_attempts, Evidence.BROKER_REDELIVERED
+    if limit_reached:
+        detail = f"already recovered {c.attempts} of {cap} times"
+        return Decision(c.task_id, Action.MARK_TERMINAL, Reason.LIMIT_REACHED, evidence, detail, c.attempts)
+    detail = f"recovery {c.attempts + 1} of {cap}, delivered again by the broker"
+    return Decision(c.task_id, Action.RECOVER, Reason.RECOVERABLE, evidence, detail, c.attempts + 1)
 
 
 def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision:

@@ -17,7 +17,7 @@ import redis
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from celery_orphans import leases
+from celery_orphans import leases, redelivery
 from celery_orphans.checkpoints import NO_CHECKPOINT
 from celery_orphans.ledger import Entry, Ledger, delivery_from_message, now
 from celery_orphans.releases import releaser
@@ -75,16 +75,20 @@ class RecoverableRequestMixin:
         entry = entry_for(req, beat, token)
         self._orphans_ledger = current = ledger()
         releases = releaser.take(current)  # finished tasks' entries, removed by the same call
+        cap, ttl = redelivery.limits(req)
         try:
-            admitted, has_checkpoint = current.admit_noting_checkpoint(entry, releases)
+            admission = current.admit_delivery(entry, releases, cap=cap, ttl=ttl)
         except redis.RedisError as exc:
             releaser.give_back(current, releases)
             # Fail open: the task runs, it just cannot be recovered if this worker dies.
             logger.warning("celery-orphans: cannot record %s[%s] in the ledger: %s", req.name, req.id, exc)
             return True
-        if admitted:
+        if admission.admitted:
             self._orphans_token = token
-            if not has_checkpoint:
+            if (admission.redelivered or admission.limit_reached) and redelivery.take_over(req, admission):
+                self._orphans_drop()  # marked terminal: recovered as often as its cap allows
+                return False
+            if not admission.checkpoint:
                 # Goes to the pool process with the request: no checkpoint to remove when the task
                 # ends unless this execution saves one (one Redis call per task saved).
                 req._request_dict[NO_CHECKPOINT] = True
@@ -102,6 +106,10 @@ class RecoverableRequestMixin:
             entry.delivery.attempt,
             entry.delivery.retries,
         )
+        self._orphans_drop()
+
+    def _orphans_drop(self) -> None:
+        req: Any = self
         task_ready(req)
         req._already_revoked = True
         req.acknowledge()

@@ -19,6 +19,7 @@ from celery_orphans.actions import ALL_RETRIES
 from celery_orphans.ledger import (
     ENTRY_VERSION,
     HEADER,
+    Admission,
     Delivery,
     Entry,
     Fence,
@@ -759,3 +760,136 @@ def test_a_claim_on_an_older_entry_does_not_hold_off_the_one_that_replaced_it(le
 
     assert claim(ledger, "t", "recover", token=recovered.token, attempts=1) == 2
     assert not ledger.unclaim("t", e.token)
+
+
+# --- a broker's redelivery of an orphan, counted by the admit -------------------------------------
+CAP = 3
+
+
+def redeliver(ledger: Ledger, e: Entry, releases: list[tuple[str, str]] | None = None) -> Admission:
+    """Admit ``e`` as a worker does; the entry it replaced is checked on its own."""
+    return dataclasses.replace(ledger.admit_delivery(e, releases or [], cap=CAP, ttl=TTL), lost=None)
+
+
+def test_a_copy_that_replaces_the_unreleased_entry_of_the_same_copy_counts_as_a_recovery(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    lost, again = entry("t"), entry("t", recorded_at=2000.0)
+    assert redeliver(ledger, lost) == Admission(admitted=True, attempts=0)
+
+    assert redeliver(ledger, again) == Admission(admitted=True, attempts=1, redelivered=True)
+
+    assert ledger.attempts(["t"]) == {"t": 1}
+    assert ledger.load(["t"]) == {"t": again}
+    assert 0 < redis_client.ttl(Keys.current().fence("t")) <= TTL
+
+
+def test_a_counted_redelivery_names_the_entry_it_replaced(ledger: Ledger) -> None:
+    lost = dataclasses.replace(entry("t"), node="celery@dead-host")
+    ledger.admit_delivery(lost, cap=CAP, ttl=TTL)
+
+    admission = ledger.admit_delivery(entry("t"), cap=CAP, ttl=TTL)
+
+    assert admission.lost == dataclasses.replace(lost, token="")
+    assert ledger.admit_delivery(entry("t", retries=1), cap=CAP, ttl=TTL).lost is None
+
+
+def test_a_counted_redelivery_stays_the_current_copy_and_is_counted_each_time_it_is_lost(
+    ledger: Ledger,
+) -> None:
+    lost = entry("t")
+    redeliver(ledger, lost)
+    claim(ledger, "t", "recover", token=lost.token)  # the copy with attempt 1 was sent: n = 1
+    previous = entry("t", attempt=1)
+    assert redeliver(ledger, previous) == Admission(admitted=True, attempts=1)
+
+    for attempts in (2, 3):
+        again = entry("t", attempt=1)  # the broker delivers the same message again, headers and all
+        assert redeliver(ledger, again) == Admission(admitted=True, attempts=attempts, redelivered=True)
+        previous = again
+
+    assert ledger.load(["t"]) == {"t": previous}
+    assert ledger.admit(entry("t")) is False  # the caller's original is still stale
+
+
+def test_a_redelivery_at_the_cap_is_admitted_uncounted_for_the_worker_to_mark_terminal(
+    ledger: Ledger,
+) -> None:
+    redeliver(ledger, entry("t"))
+    for _ in range(CAP):
+        redeliver(ledger, entry("t"))
+    last = entry("t")
+
+    assert redeliver(ledger, last) == Admission(admitted=True, attempts=CAP, limit_reached=True)
+
+    assert ledger.attempts(["t"]) == {"t": CAP}
+    assert ledger.load(["t"]) == {"t": last}  # the terminal claim takes it by this token
+    assert claim(ledger, "t", "terminal", token=last.token, attempts=CAP) == CAP
+    assert redeliver(ledger, entry("t")) == Admission(admitted=False, attempts=CAP)
+
+
+def test_a_copy_is_not_counted_when_the_entry_it_replaces_was_released_in_the_same_call(
+    ledger: Ledger,
+) -> None:
+    finished = entry("t")
+    redeliver(ledger, finished)
+
+    assert redeliver(ledger, entry("t"), [("t", finished.token)]) == Admission(admitted=True, attempts=0)
+
+
+def test_a_copy_is_not_counted_without_a_cap_or_without_an_entry_to_replace(ledger: Ledger) -> None:
+    assert redeliver(ledger, entry("t")).redelivered is False  # nothing to replace
+    assert ledger.admit_delivery(entry("t")) == Admission(admitted=True, attempts=0)  # no cap: as before
+
+    assert ledger.attempts(["t"]) == {"t": 0}
+
+
+def test_a_retry_that_replaces_the_entry_of_the_execution_that_retried_is_not_counted(ledger: Ledger) -> None:
+    redeliver(ledger, entry("t", retries=0))  # its release is still on its way when the retry starts
+
+    assert redeliver(ledger, entry("t", retries=1)) == Admission(admitted=True, attempts=0)
+
+
+def test_a_copy_sent_by_a_recovery_is_not_counted_again_when_it_replaces_the_recovered_entry(
+    ledger: Ledger,
+) -> None:
+    lost = entry("t")
+    redeliver(ledger, lost)
+    claim(ledger, "t", "recover", token=lost.token)  # a sweep (or pool loss) counted it and sends it
+
+    # The broker's copy of the original lost the race: stale, neither run nor counted.
+    assert redeliver(ledger, entry("t")) == Admission(admitted=False, attempts=1)
+    # The copy the recovery sent starts before the claimer released the entry it replaces.
+    assert redeliver(ledger, entry("t", attempt=1)) == Admission(admitted=True, attempts=1)
+
+
+def test_a_sweep_that_observed_the_lost_entry_cannot_claim_it_once_a_redelivery_was_counted(
+    ledger: Ledger,
+) -> None:
+    lost = entry("t")
+    redeliver(ledger, lost)
+    redeliver(ledger, entry("t"))
+
+    for mode in ("recover", "terminal", "forget"):
+        assert claim(ledger, "t", mode, token=lost.token, attempts=0) is None
+    assert ledger.attempts(["t"]) == {"t": 1}
+
+
+def test_a_recovery_after_a_counted_redelivery_fences_off_the_redelivered_copy(ledger: Ledger) -> None:
+    redeliver(ledger, entry("t"))
+    again = entry("t")
+    redeliver(ledger, again)  # counted: n = 1, the copy with attempt 0 is still the current one
+    assert claim(ledger, "t", "recover", token=again.token, attempts=1) == 2  # lost again, a sweep sends it
+
+    # Restored later by the Redis transport after its visibility timeout: dropped, not counted.
+    assert redeliver(ledger, entry("t")) == Admission(admitted=False, attempts=2)
+    assert redeliver(ledger, entry("t", attempt=2)) == Admission(admitted=True, attempts=2)
+
+
+def test_an_entry_written_without_its_copy_is_never_taken_for_a_redelivery(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    older = entry("t")
+    redis_client.hset(Keys.current().entry("t"), mapping={"token": older.token, "entry": older.to_json()})
+
+    assert redeliver(ledger, entry("t")) == Admission(admitted=True, attempts=0)

@@ -202,26 +202,19 @@ def test_rabbitmq_redelivery_and_our_recovery_together_never_run_a_task_twice(
 LONG_LEASE = {**AMQP, "CELERY_ORPHANS_LEASE_SECONDS": "10", "CELERY_ORPHANS_HEARTBEAT_SECONDS": "1"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="On RabbitMQ a task that kills its worker every time is never capped: when the worker dies the "
-    "broker re-delivers the message at once, the restarted worker admits it as a new execution of the same "
-    "attempt (the fence counts only the recoveries a sweep or a pool loss makes), and the entry it replaces "
-    "is never judged, since its token changes while the dead boot's lease is still fresh. The task runs "
-    "and kills its worker for ever, as task_reject_on_worker_lost would. Fix: have the ledger's admit "
-    "count a delivery that replaces an unreleased entry of the same message (celery_orphans/ledger.py "
-    "_ADMIT, request.py) as a recovery once the replaced boot is proven gone, and mark the task terminal "
-    "at its cap as pool_loss.take_over does.",
-)
 def test_poison_task_on_rabbitmq_ends_terminal_after_max_attempts(workers: Any, amqp_broker: str) -> None:
     from demoapp.tasks import poison
 
     result = poison.delay()  # @recoverable(max_attempts=2); kills its worker every time
     worker = workers.start("rmq-poison@test", env=LONG_LEASE)
+
+    def failed() -> bool:
+        return TaskResult.objects.filter(task_id=result.id, status="FAILURE").exists()
+
     for _ in range(5):
-        wait_for(lambda w=worker: not w.is_running(), 20, "the poison task to kill its worker")
-        if TaskResult.objects.filter(task_id=result.id, status="FAILURE").exists():
+        # At the cap the worker marks the task terminal instead of running it, and lives on.
+        wait_for(lambda w=worker: not w.is_running() or failed(), 20, "the poison task to kill its worker")
+        if failed():
             break
         # Restarted in place, as systemd would: RabbitMQ hands it the task again at once.
         worker = workers.start("rmq-poison@test", env=LONG_LEASE)
@@ -230,3 +223,4 @@ def test_poison_task_on_rabbitmq_ends_terminal_after_max_attempts(workers: Any, 
     assert TaskResult.objects.get(task_id=result.id).status == "FAILURE", executions(result.id)
     assert OrphanEvent.objects.filter(task_id=result.id, action="recovered").count() == 2
     assert executions(result.id).count("start") == 3
+    assert OrphanEvent.objects.filter(task_id=result.id).latest("id").action == "marked_terminal"

@@ -22,6 +22,7 @@ from celery_orphans.reconcile import (
     Reason,
     WorkerView,
     after_pool_loss,
+    after_redelivery,
     decide,
     defer_excess,
     judge,
@@ -482,6 +483,40 @@ def test_a_pool_loss_obeys_the_same_limits_as_a_sweep(
     decision = after_pool_loss(candidate(**overrides), policy(groups={"off": False}))
 
     assert (decision.action, decision.reason, decision.evidence) == (action, reason, Evidence.POOL_CHILD_LOST)
+
+
+# --- a broker's redelivery, counted by the ledger ------------------------------------------------
+
+
+def test_a_counted_redelivery_is_recorded_as_the_next_recovery() -> None:
+    decision = after_redelivery(candidate(attempts=1), policy(), limit_reached=False)
+
+    assert decision == Decision(
+        TASK,
+        Action.RECOVER,
+        Reason.RECOVERABLE,
+        Evidence.BROKER_REDELIVERED,
+        "recovery 2 of 3, delivered again by the broker",
+        2,
+    )
+    assert decision.orphaned
+
+
+@pytest.mark.parametrize("max_attempts", [None, 2])
+def test_a_redelivery_at_the_cap_marks_the_task_terminal(max_attempts: int | None) -> None:
+    cap = max_attempts or 3
+    decision = after_redelivery(
+        candidate(attempts=cap, max_attempts=max_attempts), policy(), limit_reached=True
+    )
+
+    assert decision == Decision(
+        TASK,
+        Action.MARK_TERMINAL,
+        Reason.LIMIT_REACHED,
+        Evidence.BROKER_REDELIVERED,
+        f"already recovered {cap} of {cap} times",
+        cap,
+    )
 
 
 # --- the per-sweep recovery limit -------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""When the broker delivers again the message of a task whose execution died unacknowledged.
+
+RabbitMQ puts a dead worker's unacknowledged messages back in the queue at once (the Redis transport
+after ``visibility_timeout``), so a worker runs the task again before any sweep can judge it, and a task
+that kills its worker every time would run for ever. The ledger's admit finds the unreleased entry of the
+lost execution and counts the delivery as a recovery, under the same cap as every other (ledger.py
+``_ADMIT``); the worker records it, and once the cap is reached marks the task terminal instead of
+running it, as it does when a pool process is lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import redis
+from celery.worker import state
+from django.db import DatabaseError
+
+from celery_orphans import leases, registry
+from celery_orphans.conf import settings
+from celery_orphans.ledger import Admission, Entry
+from celery_orphans.reconcile import after_redelivery
+
+logger = logging.getLogger(__name__)
+
+
+def limits(request: Any) -> tuple[int, int]:
+    """The cap the admit counts a redelivery of ``request`` against (0: count none), and the count's TTL."""
+    policy = registry.policy_of(request.task)
+    if policy is None or not settings.ENABLED or settings.SHADOW_MODE or _running_here(request):
+        return 0, 0
+    return policy.max_attempts or settings.MAX_ATTEMPTS, settings.ATTEMPTS_WINDOW_SECONDS
+
+
+def _running_here(request: Any) -> bool:
+    # Only an execution that is gone left an orphan: a copy delivered while this boot still runs the
+    # task (a connection lost and regained) is not a recovery.
+    return any(r.id == request.id and r is not request for r in state.active_requests)
+
+
+def take_over(request: Any, admission: Admission) -> bool:
+    """Record a counted redelivery, or mark the task terminal at the cap; ``True``: do not run it."""
+    from celery_orphans import pool_loss
+
+    beat = leases.current()
+    if beat is None:
+        return False
+    before = admission.attempts - 1 if admission.redelivered else admission.attempts
+    decide = functools.partial(after_redelivery, limit_reached=admission.limit_reached)
+    try:
+        lost_on = admission.lost.node if isinstance(admission.lost, Entry) else None
+        outcome = pool_loss.act(request, beat, before, decide, lost_on)
+    except (redis.RedisError, DatabaseError) as exc:
+        # The count stands in the fence; only its record (or, at the cap, the terminal mark) is missing,
+        # and the task runs, as it would have without celery-orphans.
+        logger.error(
+            "celery-orphans: could not record the redelivery of %s[%s]: %s", request.name, request.id, exc
+        )
+        return False
+    return admission.limit_reached and outcome.done

@@ -1,0 +1,62 @@
+"""What a worker counts a broker's redelivery against (the counting itself: test_ledger, test_rabbitmq)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.worker import state
+
+from celery_orphans.redelivery import limits
+
+
+class Held:
+    """A request as the worker's state keeps it: an id and its task."""
+
+    def __init__(self, task: Any, task_id: str = "t-1") -> None:
+        self.task = task
+        self.id = task_id
+
+
+@pytest.fixture
+def poison() -> Any:
+    from demoapp.tasks import poison
+
+    return poison  # @recoverable(max_attempts=2)
+
+
+@pytest.fixture
+def running_here() -> Iterator[set[Held]]:
+    held: set[Held] = set()
+    yield held
+    for request in held:
+        state.active_requests.discard(request)
+
+
+def test_a_redelivery_counts_against_the_tasks_own_cap_then_the_setting(settings: Any, poison: Any) -> None:
+    from demoapp.tasks import summarize
+
+    settings.CELERY_ORPHANS_MAX_ATTEMPTS = 5
+    settings.CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS = 7200
+
+    assert limits(Held(poison)) == (2, 7200)
+    assert limits(Held(summarize)) == (5, 7200)
+
+
+@pytest.mark.parametrize("setting", ["CELERY_ORPHANS_SHADOW_MODE", "CELERY_ORPHANS_ENABLED"])
+def test_nothing_is_counted_in_shadow_mode_or_when_disabled(settings: Any, poison: Any, setting: str) -> None:
+    setattr(settings, setting, setting.endswith("SHADOW_MODE"))
+
+    assert limits(Held(poison)) == (0, 0)
+
+
+def test_a_copy_delivered_while_this_worker_still_runs_the_task_is_not_counted(
+    poison: Any, running_here: set[Held]
+) -> None:
+    running = Held(poison)
+    running_here.add(running)
+    state.active_requests.add(running)
+
+    assert limits(Held(poison)) == (0, 0)
+    assert limits(running) == (2, limits(Held(poison, "t-2"))[1])  # only another request of the same id
