@@ -143,35 +143,30 @@ class Fleet:
     env: dict[str, str]
     run_id: str
     concurrency: int = 2
-    workers: list[Any] = field(default_factory=list)  # tests.workers.Worker
     kills: list[Kill] = field(default_factory=list)
     generation: int = 0
+    pool: Any = None  # tests.workers.WorkerPool
+
+    def __post_init__(self) -> None:
+        from tests.workers import WorkerPool
+
+        self.pool = WorkerPool(self.workdir, self.env)
+
+    @property
+    def workers(self) -> list[Any]:  # tests.workers.Worker
+        return list(self.pool.workers)
 
     def start(self, name: str, wait: bool = True) -> Any:
-        from tests.workers import Worker
-
-        log_path = self.workdir / f"{name.replace('@', '_')}-{len(self.workers)}.log"
-        command = [
-            sys.executable, "-m", "celery", "-A", "testproject", "worker",
-            "-n", name, "-P", "prefork", "-c", str(self.concurrency),
-            "-Q", f"{self.queue},{self.sweep_queue}",
-            "-I", "benchmarks.chaos", "--loglevel=INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        with open(log_path, "ab") as out:
-            process = subprocess.Popen(
-                command,
-                cwd=PROJECT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        worker = Worker(name=name, log_path=log_path, process=process)
-        self.workers.append(worker)
-        if wait:
-            worker.wait_ready(timeout=60)
-        return worker
+        return self.pool.start(
+            name,
+            concurrency=self.concurrency,
+            queues=(self.queue, self.sweep_queue),
+            # A worker restarted under its name recovers its earlier boot's tasks, as in production.
+            env={"CELERY_ORPHANS_BOOT_SWEEP": self.env.get("CELERY_ORPHANS_BOOT_SWEEP", "true")},
+            include=("benchmarks.chaos",),
+            wait=wait,
+            ready_timeout=60,
+        )
 
     @property
     def queue(self) -> str:
@@ -204,12 +199,7 @@ class Fleet:
         return kill
 
     def close(self) -> None:
-        for w in self.workers:
-            if w.is_running():
-                w.kill()
-            else:
-                with contextlib.suppress(ProcessLookupError):  # pool children of a killed parent
-                    os.killpg(w.pid, signal.SIGKILL)
+        self.pool.close()
 
 
 @dataclass

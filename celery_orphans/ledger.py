@@ -416,20 +416,12 @@ class Ledger:
         """Record ``entry`` unless its delivery is a stale copy; ``False`` means drop it."""
         return self.admit_delivery(entry).admitted
 
-    def admit_noting_checkpoint(
-        self, entry: Entry, releases: Sequence[tuple[str, str]] = ()
-    ) -> tuple[bool, bool]:
-        """``admit``, and whether the task has a checkpoint at that moment, in the same call.
-
-        ``releases`` (``(task_id, token)`` pairs) are removed as ``release`` would, first, in that call.
-        """
-        admission = self.admit_delivery(entry, releases)
-        return admission.admitted, admission.checkpoint
-
     def admit_delivery(
         self, entry: Entry, releases: Sequence[tuple[str, str]] = (), *, cap: int = 0, ttl: int = 0
     ) -> Admission:
-        """``admit_noting_checkpoint``, counting a broker's redelivery of an orphan against ``cap``.
+        """``admit``, saying whether the task has a checkpoint, and counting a broker's redelivery.
+
+        ``releases`` (``(task_id, token)`` pairs) are removed as ``release`` would, first, in the same call.
 
         With ``cap`` 0 a redelivery is admitted as any copy is; otherwise it raises the fence's count
         (kept ``ttl`` seconds) unless the count had reached ``cap``, which the answer says instead.

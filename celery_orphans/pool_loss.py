@@ -22,11 +22,9 @@ from django.utils import timezone
 
 from celery_orphans import actions, leases, registry
 from celery_orphans.conf import settings
-from celery_orphans.ledger import Ledger
 from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Candidate, Decision, Policy, after_pool_loss
-from celery_orphans.request import entry_for
-from celery_orphans.store import Keys, client
+from celery_orphans.request import entry_for, ledger
 
 if TYPE_CHECKING:
     from celery_orphans.sweep import Outcome
@@ -51,7 +49,7 @@ def take_over(request: Any, exc_info: Any) -> bool:
     if registry.policy_of(request.task) is None:
         return False
     try:
-        attempts = Ledger(client(), Keys.current()).attempts([request.id])[request.id]
+        attempts = ledger().attempts([request.id])[request.id]
         outcome = act(request, beat, attempts, after_pool_loss)
     except (redis.RedisError, DatabaseError) as exc:
         logger.error(
@@ -82,7 +80,6 @@ def act(
     """
     policy = registry.policy_of(request.task)
     assert policy is not None  # only recoverable tasks get this request class
-    ledger = Ledger(client(), Keys.current())
     entry = entry_for(request, beat, request._orphans_token)
     candidate = Candidate(
         task_id=request.id,
@@ -109,5 +106,5 @@ def act(
     )
     from celery_orphans.sweep import Options, Outcome
 
-    executor = actions.Executor(request.task.app, ledger, Options(trigger=Trigger.WORKER), timezone.now())
+    executor = actions.Executor(request.task.app, ledger(), Options(trigger=Trigger.WORKER), timezone.now())
     return executor.carry_out(Outcome(decision, request.name, lost_on or beat.node), candidate, entry)

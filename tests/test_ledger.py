@@ -178,9 +178,7 @@ def test_an_admit_carries_the_releases_of_finished_tasks(ledger: Ledger) -> None
     ledger.admit(rewritten_again)
     following = entry("next")
 
-    admitted, _ = ledger.admit_noting_checkpoint(
-        following, [("done", done.token), ("again", rewritten.token)]
-    )
+    admitted = ledger.admit_delivery(following, [("done", done.token), ("again", rewritten.token)]).admitted
 
     assert admitted
     assert ledger.load(["done", "again", "next"]) == {
@@ -197,7 +195,7 @@ def test_an_admit_removes_the_released_entry_of_the_same_task_before_writing_the
     first, redelivered = entry("t"), entry("t")
     ledger.admit(first)
 
-    assert ledger.admit_noting_checkpoint(redelivered, [("t", first.token)])[0]
+    assert ledger.admit_delivery(redelivered, [("t", first.token)]).admitted
     assert ledger.load(["t"]) == {"t": redelivered}
     assert inflight(ledger) == {"t"}
 
@@ -207,17 +205,19 @@ def test_a_refused_copy_still_carries_its_releases(ledger: Ledger) -> None:
     ledger.admit(done)
     claim(ledger, "t", "terminal")
 
-    admitted, _ = ledger.admit_noting_checkpoint(entry("t"), [("done", done.token)])
+    admitted = ledger.admit_delivery(entry("t"), [("done", done.token)]).admitted
 
     assert not admitted
     assert ledger.load(["done", "t"]) == {"done": None, "t": None}
 
 
 def test_an_admit_tells_whether_the_task_has_a_checkpoint(ledger: Ledger, redis_client: redis.Redis) -> None:
-    assert ledger.admit_noting_checkpoint(entry("t")) == (True, False)
+    first = ledger.admit_delivery(entry("t"))
+    assert (first.admitted, first.checkpoint) == (True, False)
     redis_client.hset(Keys.current().checkpoint("t"), "value", "1")
 
-    assert ledger.admit_noting_checkpoint(entry("t")) == (True, True)
+    second = ledger.admit_delivery(entry("t"))
+    assert (second.admitted, second.checkpoint) == (True, True)
 
 
 def test_load_with_fences_reads_entries_and_fences_in_chunks(

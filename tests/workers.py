@@ -93,7 +93,9 @@ class WorkerPool:
         concurrency: int = 1,
         queues: tuple[str, ...] = ("celery",),
         env: dict[str, str] | None = None,
+        include: tuple[str, ...] = (),
         wait: bool = True,
+        ready_timeout: float = 30,
     ) -> Worker:
         log_path = self.tmp_path / f"{name.replace('@', '_')}-{len(self.workers)}.log"
         command = [
@@ -111,6 +113,7 @@ class WorkerPool:
             str(concurrency),
             "-Q",
             ",".join(queues),
+            *(["-I", ",".join(include)] if include else []),
             "--loglevel=INFO",
             "--without-gossip",
             "--without-mingle",
@@ -128,7 +131,7 @@ class WorkerPool:
         worker = Worker(name=name, log_path=log_path, process=process)
         self.workers.append(worker)
         if wait:
-            worker.wait_ready()
+            worker.wait_ready(ready_timeout)
         return worker
 
     def close(self) -> None:
