@@ -2,8 +2,9 @@
 
 One worker (``-P prefork -c 2``) of ``benchmarks.throughput_app`` runs the same no-op and 10 ms tasks in
 two sets: plain (our recommended Celery settings, not recoverable) and ``@recoverable`` (one Redis Lua call
-before each task runs, one when it is acknowledged). The worker's lease heartbeat (one Redis write every
-2 s) runs throughout, for both sets.
+sent before each task runs, its answer read later, which also carries the removal of the entries of tasks
+acknowledged since). The worker's lease heartbeat (one Redis write every 2 s) runs throughout, for both
+sets.
 
 A run queues a whole batch first, then tells the worker to consume that queue, and counts from the first
 task's ``date_started`` to the last one's ``date_done``, so publishing never competes with the worker for

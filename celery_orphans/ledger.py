@@ -13,13 +13,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from kombu.utils.json import dumps, loads
 
 from celery_orphans.reconcile import SAFE_CONTENT_TYPES
 from celery_orphans.store import Keys
+
+if TYPE_CHECKING:
+    from redis.connection import AbstractConnection
 
 HEADER = "celery_orphans"
 ENTRY_VERSION = 1
@@ -426,35 +429,38 @@ class Ledger:
         With ``cap`` 0 a redelivery is admitted as any copy is; otherwise it raises the fence's count
         (kept ``ttl`` seconds) unless the count had reached ``cap``, which the answer says instead.
         """
+        keys, args = self._admit_call(entry, releases, cap, ttl)
+        return admission(entry.task_id, self._admit(keys=keys, args=args))
+
+    def send_admit(self, conn: AbstractConnection, entry: Entry, releases: Sequence[tuple[str, str]]) -> None:
+        """``admit_delivery`` with no cap, sent on ``conn`` without waiting: read its reply with
+        ``admission(entry.task_id, conn.read_response())`` before anything else is sent on ``conn``."""
+        keys, args = self._admit_call(entry, releases, 0, 0)
+        conn.send_command("EVAL", _ADMIT, len(keys), *keys, *args)
+
+    def _admit_call(
+        self, entry: Entry, releases: Sequence[tuple[str, str]], cap: int, ttl: int
+    ) -> tuple[list[str], list[Any]]:
         d = entry.delivery
-        written, attempts, redelivered, *lost = self._admit(
-            keys=[
-                self.keys.fence(entry.task_id),
-                self.keys.entry(entry.task_id),
-                self.keys.inflight,
-                self.keys.checkpoint(entry.task_id),
-                *(self.keys.entry(task_id) for task_id, _ in releases),
-            ],
-            args=[
-                entry.task_id,
-                d.retries,
-                d.attempt,
-                entry.token,
-                entry.to_json(),
-                entry.recorded_at,
-                cap,
-                ttl,
-                *(value for task_id, token in releases for value in (token, task_id)),
-            ],
-        )
-        return Admission(
-            admitted=int(written) > 0,
-            checkpoint=int(written) == 2,
-            attempts=int(attempts),
-            redelivered=int(redelivered) == 1,
-            limit_reached=int(redelivered) == 2,
-            lost=_parse(entry.task_id, b"", lost[0] if lost else None),
-        )
+        keys = [
+            self.keys.fence(entry.task_id),
+            self.keys.entry(entry.task_id),
+            self.keys.inflight,
+            self.keys.checkpoint(entry.task_id),
+            *(self.keys.entry(task_id) for task_id, _ in releases),
+        ]
+        args = [
+            entry.task_id,
+            d.retries,
+            d.attempt,
+            entry.token,
+            entry.to_json(),
+            entry.recorded_at,
+            cap,
+            ttl,
+            *(value for task_id, token in releases for value in (token, task_id)),
+        ]
+        return keys, args
 
     def release(self, task_id: str, token: str) -> bool:
         """Remove the entry if it is still the one written with ``token``."""
@@ -535,6 +541,19 @@ class Ledger:
 
     def count(self) -> int:
         return int(self.client.zcard(self.keys.inflight))
+
+
+def admission(task_id: str, reply: list[Any]) -> Admission:
+    """What ``_ADMIT`` answered about the delivery of ``task_id``."""
+    written, attempts, redelivered, *lost = reply
+    return Admission(
+        admitted=int(written) > 0,
+        checkpoint=int(written) == 2,
+        attempts=int(attempts),
+        redelivered=int(redelivered) == 1,
+        limit_reached=int(redelivered) == 2,
+        lost=_parse(task_id, b"", lost[0] if lost else None),
+    )
 
 
 def _fence(attempts: bytes | None, claimed: bytes | None, sent: bytes | None) -> Fence:

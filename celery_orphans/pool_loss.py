@@ -23,6 +23,7 @@ from django.utils import timezone
 from celery_orphans import actions, leases, registry
 from celery_orphans.conf import settings
 from celery_orphans.models import Trigger
+from celery_orphans.outbox import outbox
 from celery_orphans.reconcile import Candidate, Decision, Policy, after_pool_loss
 from celery_orphans.request import entry_for, ledger
 
@@ -49,6 +50,7 @@ def take_over(request: Any, exc_info: Any) -> bool:
     if registry.policy_of(request.task) is None:
         return False
     try:
+        outbox.settle()  # the entry was sent without waiting: it is in Redis once answered
         attempts = ledger().attempts([request.id])[request.id]
         outcome = act(request, beat, attempts, after_pool_loss)
     except (redis.RedisError, DatabaseError) as exc:

@@ -26,6 +26,28 @@ from celery_orphans.reconcile import after_redelivery
 logger = logging.getLogger(__name__)
 
 
+def first_hand(request: Any) -> bool:
+    """Whether the broker delivers ``request``'s message for the first time, so it needs no fence check.
+
+    A copy of a task is recovered or marked terminal only after a delivery of it was recorded, so a
+    message never delivered before cannot have been overtaken, and is no redelivery to count. The broker
+    must say so: RabbitMQ marks what it delivers again, and so does kombu's Redis transport when it
+    restores a message (past its visibility timeout, at a shutdown, on a reject). Other transports do
+    not, and every delivery of theirs is checked.
+    """
+    return not request.delivery_info.get("redelivered") and marks_redeliveries(request.task.app)
+
+
+@functools.lru_cache(maxsize=8)
+def marks_redeliveries(app: Any) -> bool:
+    """Whether ``app``'s broker transport flags the messages it delivers again as ``redelivered``."""
+    with app.connection_for_read() as conn:
+        return conn.transport.driver_type in _MARKING_TRANSPORTS
+
+
+_MARKING_TRANSPORTS = frozenset({"amqp", "redis"})
+
+
 def limits(request: Any) -> tuple[int, int]:
     """The cap the admit counts a redelivery of ``request`` against (0: count none), and the count's TTL."""
     policy = registry.policy_of(request.task)

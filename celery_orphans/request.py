@@ -2,8 +2,9 @@
 
 It runs in the worker's main process, where the delivered message is at hand. Celery calls
 ``Request.revoked()`` just before it hands a task to the pool; that is the last point at which a message
-can be dropped without running it, so the ledger write and the fence check happen there. Every end of an
-``acks_late`` task passes through ``acknowledge()`` or ``reject()``, where the entry is removed.
+can be dropped without running it, so the ledger write and the fence check happen there. A first-hand
+delivery needs no fence check, and its write goes out without waiting (``celery_orphans.outbox``). Every
+end of an ``acks_late`` task passes through ``acknowledge()`` or ``reject()``, where the entry is removed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from celery.worker.state import task_ready
 from celery_orphans import leases, redelivery
 from celery_orphans.checkpoints import NO_CHECKPOINT
 from celery_orphans.ledger import Entry, Ledger, delivery_from_message, now
-from celery_orphans.releases import releaser
+from celery_orphans.outbox import outbox
 from celery_orphans.store import Keys, client
 
 logger = logging.getLogger(__name__)
@@ -74,12 +75,22 @@ class RecoverableRequestMixin:
         token = uuid.uuid4().hex
         entry = entry_for(req, beat, token)
         self._orphans_ledger = current = ledger()
-        releases = releaser.take(current)  # finished tasks' entries, removed by the same call
+        if redelivery.first_hand(req):
+            try:
+                outbox.admit(current, entry)
+            except redis.RedisError:
+                pass  # written the slow way below, whose client retries
+            else:
+                self._orphans_token = token
+                if entry.delivery.retries == 0 and entry.delivery.attempt == 0:
+                    req._request_dict[NO_CHECKPOINT] = True  # its first run: nothing saved yet
+                return True
+        releases = outbox.take(current)  # finished tasks' entries, removed by the same call
         cap, ttl = redelivery.limits(req)
         try:
             admission = current.admit_delivery(entry, releases, cap=cap, ttl=ttl)
         except redis.RedisError as exc:
-            releaser.give_back(current, releases)
+            outbox.give_back(current, releases)
             # Fail open: the task runs, it just cannot be recovered if this worker dies.
             logger.warning("celery-orphans: cannot record %s[%s] in the ledger: %s", req.name, req.id, exc)
             return True
@@ -119,8 +130,8 @@ class RecoverableRequestMixin:
         if token is None:
             return
         req: Any = self
-        # Off the path from this acknowledgement to the next task: see celery_orphans.releases.
-        releaser.release(self._orphans_ledger or ledger(), req.id, token)
+        # Off the path from this acknowledgement to the next task: see celery_orphans.outbox.
+        outbox.release(self._orphans_ledger or ledger(), req.id, token)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         from celery_orphans import pool_loss

@@ -41,9 +41,9 @@ def on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
 
 
 def on_worker_shutdown(**kwargs: Any) -> None:
-    from celery_orphans.releases import releaser
+    from celery_orphans.outbox import outbox
 
-    releaser.flush()  # the entries of tasks acknowledged just before the shutdown
+    outbox.flush()  # the entries of tasks acknowledged just before the shutdown
     leases.stop()
 
 

@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery import Celery
 from celery.worker import state
 
-from celery_orphans.redelivery import limits
+from celery_orphans.redelivery import first_hand, limits, marks_redeliveries
 
 
 class Held:
@@ -60,3 +61,33 @@ def test_a_copy_delivered_while_this_worker_still_runs_the_task_is_not_counted(
 
     assert limits(Held(poison)) == (0, 0)
     assert limits(running) == (2, limits(Held(poison, "t-2"))[1])  # only another request of the same id
+
+
+class Delivered(Held):
+    """A request as the broker delivered it, for the first time or again."""
+
+    def __init__(self, task: Any, *, redelivered: bool) -> None:
+        super().__init__(task)
+        self.delivery_info = {"exchange": "", "routing_key": "celery", "redelivered": redelivered}
+
+
+@pytest.mark.parametrize(
+    ("url", "marks"),
+    [
+        ("redis://127.0.0.1:6379/9", True),
+        ("rediss://127.0.0.1:6380/0?ssl_cert_reqs=required", True),
+        ("amqp://guest:guest@127.0.0.1:5672//", True),
+        ("pyamqp://guest:guest@127.0.0.1:5672//", True),
+        ("memory://", False),
+        ("filesystem://", False),
+    ],
+)
+def test_only_a_transport_that_flags_what_it_delivers_again_is_trusted_to(url: str, marks: bool) -> None:
+    assert marks_redeliveries(Celery(broker=url, set_as_current=False)) is marks
+
+
+def test_a_first_delivery_skips_the_fence_check_and_a_redelivery_does_not(poison: Any) -> None:
+    assert poison.app.conf.broker_url.startswith("redis://")
+
+    assert first_hand(Delivered(poison, redelivered=False)) is True
+    assert first_hand(Delivered(poison, redelivered=True)) is False

@@ -1,0 +1,149 @@
+"""Ledger writes off the worker's path: entries sent without waiting, removals carried or flushed."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+import redis
+
+from celery_orphans.ledger import Entry, Ledger
+from celery_orphans.outbox import Outbox
+from celery_orphans.store import Keys, client
+from tests.test_ledger import entry
+from tests.workers import wait_for
+
+
+@pytest.fixture
+def ledger(redis_client: redis.Redis) -> Ledger:
+    return Ledger(client(), Keys.current())
+
+
+def admitted(ledger: Ledger, task_id: str) -> Entry:
+    e = entry(task_id, token=uuid.uuid4().hex)
+    ledger.admit(e)
+    return e
+
+
+def test_an_entry_is_sent_without_waiting_and_is_in_redis_once_answered(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    outbox = Outbox(delay=60)
+    e = entry("t")
+    outbox.admit(ledger, entry("warm-up"))  # the connection is made before Redis is paused
+    redis_client.client_pause(2000, all=False)  # WRITE: every write waits
+
+    started = time.monotonic()
+    outbox.admit(ledger, e)
+    sent_in = time.monotonic() - started
+    outbox.settle()
+
+    assert sent_in < 1.0
+    assert time.monotonic() - started >= 1.0  # settling waited for the answer
+    assert ledger.load(["t"])["t"] == e
+
+
+def test_an_entry_whose_connection_broke_before_the_answer_is_written_again(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    outbox = Outbox(delay=60)
+    outbox.admit(ledger, entry("warm-up"))
+    outbox.settle()
+    redis_client.client_pause(5000, all=False)
+    e = entry("t")
+    outbox.admit(ledger, e)  # held by the pause, then dropped with its connection
+    redis_client.client_kill_filter(_type="normal", skipme=True)
+    redis_client.client_unpause()
+
+    outbox.settle()
+
+    assert ledger.load(["t"])["t"] == e
+
+
+def test_a_queued_removal_goes_with_the_next_entry_sent(ledger: Ledger) -> None:
+    outbox = Outbox(delay=60)  # the thread stays out of the way
+    done = admitted(ledger, "done")
+    outbox.release(ledger, "done", done.token)
+
+    outbox.admit(ledger, entry("next"))
+    outbox.settle()
+
+    assert ledger.load(["done", "next"])["done"] is None
+    assert outbox.take(ledger) == []
+    assert ledger.count() == 1
+
+
+def test_an_error_answer_is_logged_and_the_connection_stays_usable(
+    ledger: Ledger, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    outbox = Outbox(delay=60)
+    redis_client.set(Keys.current().fence("bad"), "not a hash")  # the write fails inside Redis
+
+    with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
+        outbox.admit(ledger, entry("bad"))
+        outbox.admit(ledger, entry("good"))
+        outbox.settle()
+
+    assert "cannot record demoapp.work[bad] in the ledger" in caplog.text
+    assert not redis_client.exists(Keys.current().entry("bad"))
+    assert isinstance(ledger.load(["good"])["good"], Entry)
+
+
+def test_a_copy_whose_fence_moved_on_is_logged_as_a_task_id_sent_twice(
+    ledger: Ledger, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    outbox = Outbox(delay=60)
+    redis_client.hset(Keys.current().fence("twice"), mapping={"attempts": 1, "retries": 0, "copy": 1})
+
+    with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
+        outbox.admit(ledger, entry("twice"))
+        outbox.settle()
+
+    assert "was the same task id sent twice?" in caplog.text
+    assert ledger.load(["twice"])["twice"] is None
+
+
+def test_an_entry_that_cannot_be_sent_raises_and_the_removals_stay_queued(redis_client: redis.Redis) -> None:
+    nowhere = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)
+    unreachable = Ledger(nowhere, Keys.current())
+    outbox = Outbox(delay=60)
+    outbox.release(unreachable, "done", "token")
+
+    with pytest.raises(redis.ConnectionError):
+        outbox.admit(unreachable, entry("t"))
+
+    assert outbox.take(unreachable) == [("done", "token")]
+
+
+def test_a_queued_removal_is_flushed_by_the_thread_when_no_write_carries_it(ledger: Ledger) -> None:
+    e = admitted(ledger, "t")
+    outbox = Outbox()
+
+    outbox.release(ledger, "t", e.token)
+
+    wait_for(lambda: ledger.load(["t"])["t"] is None, 5, "the entry to be removed")
+    assert ledger.count() == 0
+
+
+def test_take_hands_the_queued_removals_to_one_writer_only(ledger: Ledger) -> None:
+    outbox = Outbox(delay=60)
+    outbox.release(ledger, "a", "token-a")
+    outbox.release(ledger, "b", "token-b")
+
+    assert outbox.take(ledger) == [("a", "token-a"), ("b", "token-b")]
+    assert outbox.take(ledger) == []
+    assert outbox.flush() == 0
+
+
+def test_removals_given_back_after_a_failed_write_are_flushed_first(ledger: Ledger) -> None:
+    first, second = admitted(ledger, "first"), admitted(ledger, "second")
+    outbox = Outbox(delay=60)
+    outbox.release(ledger, "second", second.token)
+    taken = outbox.take(ledger)
+    outbox.release(ledger, "first", first.token)
+
+    outbox.give_back(ledger, taken)
+
+    assert outbox.take(ledger) == [("second", second.token), ("first", first.token)]
