@@ -75,16 +75,8 @@ class RecoverableRequestMixin:
         token = uuid.uuid4().hex
         entry = entry_for(req, beat, token)
         self._orphans_ledger = current = ledger()
-        if redelivery.first_hand(req):
-            try:
-                outbox.admit(current, entry)
-            except redis.RedisError:
-                pass  # written the slow way below, whose client retries
-            else:
-                self._orphans_token = token
-                if entry.delivery.retries == 0 and entry.delivery.attempt == 0:
-                    req._request_dict[NO_CHECKPOINT] = True  # its first run: nothing saved yet
-                return True
+        if redelivery.first_hand(req) and self._orphans_send(current, entry):
+            return True
         releases = outbox.take(current)  # finished tasks' entries, removed by the same call
         cap, ttl = redelivery.limits(req)
         try:
@@ -106,6 +98,19 @@ class RecoverableRequestMixin:
             return True
         self._orphans_drop_stale(entry)
         return False
+
+    def _orphans_send(self, current: Ledger, entry: Entry) -> bool:
+        """Write a first-hand delivery's entry without waiting; ``False`` if it could not be sent."""
+        try:
+            outbox.admit(current, entry)
+        except redis.RedisError:
+            return False  # written the slow way, whose client retries
+        self._orphans_token = entry.token
+        if entry.delivery.retries == 0 and entry.delivery.attempt == 0:
+            # The caller's message, never delivered before: no execution of it can have saved one.
+            req: Any = self
+            req._request_dict[NO_CHECKPOINT] = True
+        return True
 
     def _orphans_drop_stale(self, entry: Entry) -> None:
         req: Any = self
