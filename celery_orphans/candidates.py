@@ -46,15 +46,25 @@ class Found:
     rows: dict[str, Row]
     ledger_ids: list[str]
 
-    def to_ask(self, cutoff: datetime) -> tuple[set[str], list[str]]:
-        """The nodes and ids worth asking about before the entries are read.
+    def to_ask(self, cutoff: datetime) -> tuple[dict[str, set[str]], set[str]]:
+        """Whom to ask about what, before the entries are read: every id that may be judged.
 
-        Every id that may be judged (rows started before ``cutoff``, every ledger id), and the node of
-        each such row; an entry naming another node is asked about once the entries are read.
+        The ids of the rows started before ``cutoff``, by the node each row names, and the ids to ask
+        every node about: those of rows naming no node, and the ledger's without such a row (their
+        node is known once their entry is read). An entry naming another node than its row is asked
+        about once the entries are read.
         """
-        old = [r for r in self.rows.values() if r.started_at is None or r.started_at <= cutoff]
-        ids = {r.task_id for r in old} | set(self.ledger_ids)
-        return {r.worker for r in old if r.worker}, sorted(ids)
+        by_node: dict[str, set[str]] = {}
+        everyone = set(self.ledger_ids)
+        for row in self.rows.values():
+            if row.started_at is not None and row.started_at > cutoff:
+                continue
+            if row.worker:
+                by_node.setdefault(row.worker, set()).add(row.task_id)
+                everyone.discard(row.task_id)
+            else:
+                everyone.add(row.task_id)
+        return by_node, everyone
 
 
 def find(ledger: Ledger, cutoff: datetime | None, only: frozenset[str] | None = None) -> Found:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
@@ -18,12 +18,13 @@ logger = logging.getLogger(__name__)
 def ask_workers(
     app: Celery, nodes: Collection[str], task_ids: Collection[str], timeout: float
 ) -> dict[str, frozenset[str]]:
-    """Which of ``task_ids`` each node holds, for the nodes that answered.
+    """Which of ``task_ids`` each node holds, for the nodes that answered; asked about no id, a node
+    still answers, which says it is alive.
 
     One broadcast to an explicit destination list: it returns as soon as every named node has replied,
     so live workers cost one round trip and only silent ones cost the timeout.
     """
-    if not nodes or not task_ids:
+    if not nodes:
         return {}
     destination = sorted(nodes)
     try:
@@ -48,8 +49,14 @@ def observe(
     timeout: float,
     conn: redis.Redis[bytes] | None = None,
     meanwhile: Callable[[], object] | None = None,
+    own: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, WorkerView]:
     """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases.
+
+    Every node is asked about ``task_ids``, and about the ``own`` ids of each node whose lease is fresh.
+    Every worker reads the whole broadcast, whoever it names, so the question leaves out what only a
+    node with no live lease, most likely dead, was running; should such a node answer after all, its
+    reply speaks only for the ids it was asked about (``WorkerView.asked``), and the caller asks again.
 
     Leases are read before the broadcast and again after it for the nodes that stayed silent, and a
     lease seen fresh either time counts: a heartbeat held up by a Redis pause lands the moment Redis
@@ -59,19 +66,27 @@ def observe(
     which only waits on the broker's socket).
     """
     before = leases.fresh_boots(nodes, conn, prune=False)
+    question = set(task_ids)
+    for node, ids in (own or {}).items():
+        if before.get(node):
+            question.update(ids)
     if meanwhile is None:
-        held = ask_workers(app, nodes, task_ids, timeout)
+        held = ask_workers(app, nodes, question, timeout)
     else:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="celery-orphans-ask") as pool:
-            asking = pool.submit(ask_workers, app, nodes, task_ids, timeout)
+            asking = pool.submit(ask_workers, app, nodes, question, timeout)
             meanwhile()
             held = asking.result()
     silent = [node for node in nodes if node not in held]
     after = leases.fresh_boots(silent, conn, prune=False) if silent else {}
     fresh = {node: before.get(node, frozenset()) | after.get(node, frozenset()) for node in nodes}
+    asked = frozenset(question)
     return {
         node: WorkerView(
-            replied=node in held, held=held.get(node, frozenset()), fresh_boots=fresh.get(node, frozenset())
+            replied=node in held,
+            held=held.get(node, frozenset()),
+            fresh_boots=fresh.get(node, frozenset()),
+            asked=asked,
         )
         for node in nodes
     }

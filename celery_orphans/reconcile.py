@@ -100,6 +100,29 @@ class WorkerView:
     held: frozenset[str] = frozenset()
     fresh_boots: frozenset[str] = frozenset()
     at_boot: bool = False  # the view is the booting worker's own: it knows exactly what it holds
+    asked: frozenset[str] | None = None  # the ids it was asked about (None: every id); a reply says no more
+
+    def answers_for(self, task_id: str) -> bool:
+        """Whether the node replied, and was asked whether it holds ``task_id``."""
+        return self.replied and (self.asked is None or task_id in self.asked)
+
+    def merged_with(self, later: WorkerView) -> WorkerView:
+        """What this view and a later one of the same node say together."""
+        return WorkerView(
+            replied=self.replied or later.replied,
+            held=self.held | later.held,
+            fresh_boots=self.fresh_boots | later.fresh_boots,
+            at_boot=self.at_boot or later.at_boot,
+            asked=_asked_by(self, later),
+        )
+
+
+def _asked_by(*views: WorkerView) -> frozenset[str] | None:
+    """The ids the replies among ``views`` speak for."""
+    replies = [v for v in views if v.replied]
+    if any(v.asked is None for v in replies):
+        return None
+    return frozenset().union(*(v.asked or frozenset() for v in replies))
 
 
 # Content types whose bodies are data, never code. A pickled message is never sent again.
@@ -177,8 +200,11 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
 
 
 def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
-    """Alive or gone, from the worker's answer first and its lease when it did not answer."""
-    if worker.replied:
+    """Alive or gone, from the worker's answer first and its lease when it did not answer.
+
+    A reply speaks only for the ids the worker was asked about: for any other, its lease decides.
+    """
+    if worker.answers_for(candidate.task_id):
         if candidate.task_id in worker.held:
             return Evidence.WORKER_HOLDS_TASK
         return Evidence.FOUND_AT_BOOT if worker.at_boot else Evidence.WORKER_ANSWERED_WITHOUT_TASK

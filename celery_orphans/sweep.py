@@ -206,18 +206,30 @@ def _gather_and_ask(
     """
     timeout, conn = settings.INSPECT_TIMEOUT_SECONDS, ledger.client
     found = find(ledger, None, only)
-    nodes, ids = found.to_ask(now - grace)
+    by_node, everyone = found.to_ask(now - grace)
     merged: list[tuple[list[Candidate], dict[str, Entry]]] = []
     views = liveness.observe(
-        app, nodes, ids, timeout, conn, meanwhile=lambda: merged.append(merge(app, ledger, found))
+        app,
+        by_node,
+        everyone,
+        timeout,
+        conn,
+        meanwhile=lambda: merged.append(merge(app, ledger, found)),
+        own=by_node,
     )
     candidates, entries = merged[0]
-    judged = [c for c in candidates if c.started_at is None or c.started_at <= now - grace]
-    # Entries that name a node no row named: ask those nodes too (rare: a task without a result row).
-    unasked = {c.worker for c in judged if c.worker and c.worker not in views}
-    if unasked:
-        more = [c.task_id for c in judged if c.worker in unasked]
-        views.update(liveness.observe(app, unasked, more, timeout, conn))
+    # Rare: an entry naming a node no row named (a task without a result row), or a node that answered
+    # without being asked about a task of its own (its lease had lapsed). Ask those nodes about those.
+    again: dict[str, set[str]] = {}
+    for c in candidates:
+        view = views.get(c.worker) if c.worker else None
+        judged = c.started_at is None or c.started_at <= now - grace
+        if c.worker and judged and (view is None or (view.replied and not view.answers_for(c.task_id))):
+            again.setdefault(c.worker, set()).add(c.task_id)
+    if again:
+        more = liveness.observe(app, again, set().union(*again.values()), timeout, conn)
+        for node, view in more.items():
+            views[node] = views[node].merged_with(view) if node in views else view
     return candidates, entries, views
 
 

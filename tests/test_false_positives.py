@@ -10,7 +10,9 @@ from django.db import connection
 
 from celery_orphans import sweep
 from celery_orphans.models import OrphanEvent, Trigger
-from tests.test_recovery import finishes, started_on, starts
+from celery_orphans.reconcile import Action, Evidence
+from celery_orphans.store import Keys
+from tests.test_recovery import finishes, outcome_of, started_on, starts
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.worker
@@ -112,3 +114,20 @@ def test_worker_whose_broker_connections_are_cut_and_restored_is_not_recovered(w
     assert_never_acted(reports, result.id)
     assert result.get(timeout=20) == 3
     assert finishes(result.id) >= 1
+
+
+def test_worker_whose_lease_lapsed_is_asked_about_its_own_task_before_it_is_judged(workers, redis_client):
+    from demoapp.tasks import summarize
+
+    # Beats far apart: once its lease is gone, the worker stays without one for the whole test.
+    env = {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "120", "CELERY_ORPHANS_LEASE_SECONDS": "300"}
+    workers.start("lapsed@test", env=env)
+    result = summarize.delay([4], seconds=6)
+    started_on(result.id, "lapsed@test")
+    redis_client.delete(*redis_client.keys(Keys.current().lease("lapsed@test", "*")))
+
+    report = sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
+
+    decision = outcome_of(report, result.id).decision
+    assert (decision.action, decision.evidence) == (Action.LEAVE, Evidence.WORKER_HOLDS_TASK)
+    assert result.get(timeout=20) == 4 and starts(result.id) == 1

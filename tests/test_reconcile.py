@@ -115,6 +115,25 @@ def test_a_held_id_of_another_task_is_not_this_task_held() -> None:
     assert judge(candidate(task_id="t-2"), view) is Evidence.WORKER_ANSWERED_WITHOUT_TASK
 
 
+def test_a_reply_speaks_only_for_the_ids_the_worker_was_asked_about() -> None:
+    view = WorkerView(replied=True, asked=frozenset({"t-2"}), fresh_boots=frozenset({"boot-b"}))
+
+    assert judge(candidate(), view) is Evidence.NO_REPLY_LEASE_LAPSED
+    assert judge(candidate(task_id="t-2"), view) is Evidence.WORKER_ANSWERED_WITHOUT_TASK
+
+
+def test_a_later_reply_adds_what_it_was_asked_about() -> None:
+    first = WorkerView(replied=True, asked=frozenset({"t-2"}))
+    later = WorkerView(replied=True, held=frozenset({TASK}), asked=frozenset({TASK}))
+
+    merged = first.merged_with(later)
+
+    assert merged.asked == {TASK, "t-2"}
+    assert judge(candidate(), merged) is Evidence.WORKER_HOLDS_TASK
+    assert first.merged_with(WorkerView(replied=False)).asked == {"t-2"}  # silence asks nothing
+    assert first.merged_with(HOLDS).asked is None  # a reply to every id speaks for every id
+
+
 # --- decide: cases that cannot be judged ----------------------------------------------------------
 
 
