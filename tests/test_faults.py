@@ -12,6 +12,7 @@ completes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -374,3 +375,25 @@ def test_workers_outlive_a_restart_of_the_ledger_redis_and_are_never_taken_for_d
         assert [e.split(":")[0] for e in runs(r.id)] == ["start", "finish"]
     assert not OrphanEvent.objects.exists()
     assert all(w.is_running() for w in pair)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_sweep_gives_the_garbage_collector_back_as_it_found_it_even_when_it_fails(
+    enabled: bool, monkeypatch: pytest.MonkeyPatch, redis_client: redis.Redis
+) -> None:
+    collecting: list[bool] = []
+
+    def redis_gone(*args: Any, **kwargs: Any) -> Any:
+        collecting.append(gc.isenabled())
+        raise redis.ConnectionError("injected: Redis went away as the sweep gathered")
+
+    monkeypatch.setattr(sweep, "find", redis_gone)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.raises(LedgerUnavailable):
+            sweep.run(sweep.Options(trigger=Trigger.COMMAND, dry_run=True))
+        assert collecting == [False]  # held off while gathering
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
