@@ -8,6 +8,7 @@ so a copy of a task that was already recovered (or marked terminal) never runs.
 from __future__ import annotations
 
 import base64
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -77,6 +78,8 @@ redis.call('HSET', KEYS[2], 'token', ARGV[4], 'entry', ARGV[5], 'copy', copy)
 redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
 return {1 + redis.call('EXISTS', KEYS[4]), attempts, redelivered, lost}
 """
+
+_ADMIT_SHA = hashlib.sha1(_ADMIT.encode()).hexdigest()  # what Redis names it by
 
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
@@ -433,10 +436,15 @@ class Ledger:
         return admission(entry.task_id, self._admit(keys=keys, args=args))
 
     def send_admit(self, conn: AbstractConnection, entry: Entry, releases: Sequence[tuple[str, str]]) -> None:
-        """``admit_delivery`` with no cap, sent on ``conn`` without waiting: read its reply with
-        ``admission(entry.task_id, conn.read_response())`` before anything else is sent on ``conn``."""
+        """``admit_delivery`` with no cap, sent on ``conn`` without waiting for the answer, which
+        ``admission(entry.task_id, conn.read_response())`` reads later, in the order sent. The script
+        must be loaded (``load_scripts``); Redis answers ``NoScriptError`` if it was not."""
         keys, args = self._admit_call(entry, releases, 0, 0)
-        conn.send_command("EVAL", _ADMIT, len(keys), *keys, *args)
+        conn.send_command("EVALSHA", _ADMIT_SHA, len(keys), *keys, *args)
+
+    def load_scripts(self) -> None:
+        """Load the admit script into Redis, for ``send_admit``."""
+        self.client.execute_command("SCRIPT", "LOAD", _ADMIT)
 
     def _admit_call(
         self, entry: Entry, releases: Sequence[tuple[str, str]], cap: int, ttl: int

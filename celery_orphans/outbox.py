@@ -7,18 +7,19 @@ trip on that path is paid once per task in throughput. Two kinds of write leave 
 - The entry of a first-hand delivery (``redelivery.first_hand``: one the broker had not delivered before)
   is sent without waiting for the answer, on a connection of the outbox's own. A copy of a task is
   recovered or marked terminal only after a delivery of it was recorded, so a copy never delivered before
-  cannot have been overtaken, and there is no verdict to wait for. The answer is read before anything
-  else is sent on that connection, or by the outbox's thread; one that reports an error is logged then.
+  cannot have been overtaken, and there is no verdict to wait for. The outbox's thread reads the
+  answers, many at a time, within ``FLUSH_DELAY_SECONDS``; one that reports an error is logged then.
 - A finished task's removal is queued and carried by the next entry written, which the worker sends
   moments later for its next task (one call does both). When no task follows, the thread sends what is
   queued after ``FLUSH_DELAY_SECONDS``.
 
 What the ledger guarantees stays. An entry's write is on its way before the task reaches the pool, so
 Redis has it before the task's body can get far, and has it even if the worker is killed right after (the
-kernel still delivers what the process sent). A removal is sent only once every entry written before it
-has been answered, and it compares the token written with the entry, so it never touches a newer copy's
-entry. An entry left behind when the process dies before its removal is forgotten by the next sweep,
-which finds the task's result row finished.
+kernel still delivers what the process sent). A removal follows its entry's write on the same
+connection, which Redis serves in order, or, sent another way, only once that write has been answered;
+and it compares the token written with the entry, so it never touches a newer copy's entry. An entry
+left behind when the process dies before its removal is forgotten by the next sweep, which finds the
+task's result row finished.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import redis
 
-from celery_orphans.ledger import Entry, Ledger, admission
+from celery_orphans.ledger import Admission, Entry, Ledger, admission
 
 if TYPE_CHECKING:
     from redis.connection import AbstractConnection
@@ -46,11 +47,11 @@ FLUSH_DELAY_SECONDS = 0.2
 
 @dataclass
 class _Line:
-    """A connection of the outbox's own to one ledger's Redis, and the write whose answer is owed."""
+    """A connection of the outbox's own to one ledger's Redis, and the writes whose answers are owed."""
 
     ledger: Ledger
     conn: AbstractConnection
-    owed: tuple[Entry, list[tuple[str, str]]] | None = None  # the entry, and the removals it carried
+    owed: list[tuple[Entry, list[tuple[str, str]]]] = field(default_factory=list)  # entry, removals
 
 
 class Outbox:
@@ -73,18 +74,15 @@ class Outbox:
         """
         with self._lock:
             self._ensure_process()
-            line = self._lines.get(ledger)
-            if line is None:
-                line = self._lines[ledger] = _Line(ledger, ledger.client.connection_pool.make_connection())
-            self._settle(line)
+            line = self._line(ledger)
             releases = self._pending.pop(ledger, [])
             try:
                 ledger.send_admit(line.conn, entry, releases)
             except redis.RedisError:
-                line.conn.disconnect()
                 self._pending.setdefault(ledger, [])[:0] = releases
+                self._lost(line)
                 raise
-            line.owed = (entry, releases)
+            line.owed.append((entry, releases))
         self._wake.set()
 
     def release(self, ledger: Ledger, task_id: str, token: str) -> None:
@@ -133,40 +131,58 @@ class Outbox:
                 )
         return sum(len(releases) for releases in pending.values())
 
+    def _line(self, ledger: Ledger) -> _Line:
+        line = self._lines.get(ledger)
+        if line is None:
+            ledger.load_scripts()
+            pool = ledger.client.connection_pool
+            # No health check: its PING would read an answer owed to an earlier write. A connection
+            # found dead has those writes made again, the slow way (_lost).
+            conn = pool.connection_class(**{**pool.connection_kwargs, "health_check_interval": 0})
+            line = self._lines[ledger] = _Line(ledger, conn)
+        return line
+
     def _settle_all(self) -> None:
         for line in self._lines.values():
             self._settle(line)
 
     def _settle(self, line: _Line) -> None:
-        owed, line.owed = line.owed, None
-        if owed is None:
-            return
-        entry, releases = owed
-        try:
+        """Read the answers owed on ``line``, in the order the writes were sent."""
+        while line.owed:
+            entry, releases = line.owed[0]
             try:
-                answer = admission(entry.task_id, line.conn.read_response())
+                reply = line.conn.read_response()
             except (redis.ConnectionError, redis.TimeoutError):
-                # The connection broke before the answer came: whether or not Redis carried the write
-                # out, doing it again the slow way, whose client reconnects, leaves the same state.
-                line.conn.disconnect()
-                answer = line.ledger.admit_delivery(entry, releases)
+                self._lost(line)
+                return
+            except redis.exceptions.NoScriptError:
+                # Redis lost its scripts (it restarted): the slow way loads the script again.
+                line.owed.pop(0)
+                self._redo(line.ledger, entry, releases)
+                continue
+            except redis.ResponseError as exc:
+                line.owed.pop(0)
+                _not_recorded(entry, exc)
+                continue
+            line.owed.pop(0)
+            _check(entry, admission(entry.task_id, reply))
+
+    def _lost(self, line: _Line) -> None:
+        """The connection broke with answers owed: whether or not Redis carried those writes out, making
+        them again the slow way, whose client reconnects, leaves the same state."""
+        line.conn.disconnect()
+        owed, line.owed = line.owed, []
+        for entry, releases in owed:
+            self._redo(line.ledger, entry, releases)
+
+    @staticmethod
+    def _redo(ledger: Ledger, entry: Entry, releases: list[tuple[str, str]]) -> None:
+        try:
+            answer = ledger.admit_delivery(entry, releases)
         except redis.RedisError as exc:
-            logger.warning(
-                "celery-orphans: cannot record %s[%s] in the ledger: %s; it runs, but could not be "
-                "recovered if its worker died",
-                entry.task_name,
-                entry.task_id,
-                exc,
-            )
+            _not_recorded(entry, exc)
             return
-        if not answer.admitted:
-            # Only a caller sending one task id twice gets here: its other copy was recovered or closed.
-            logger.warning(
-                "celery-orphans: %s[%s] runs although its fence has moved past this copy; "
-                "was the same task id sent twice?",
-                entry.task_name,
-                entry.task_id,
-            )
+        _check(entry, answer)
 
     def _ensure_process(self) -> None:
         # Neither threads nor connections survive a fork: a process that inherited this object starts
@@ -186,6 +202,27 @@ class Outbox:
             # Whatever the next task's ledger write has not carried by then.
             time.sleep(self.delay)
             self.flush()
+
+
+def _not_recorded(entry: Entry, exc: Exception) -> None:
+    logger.warning(
+        "celery-orphans: cannot record %s[%s] in the ledger: %s; it runs, but could not be recovered if "
+        "its worker died",
+        entry.task_name,
+        entry.task_id,
+        exc,
+    )
+
+
+def _check(entry: Entry, answer: Admission) -> None:
+    if not answer.admitted:
+        # Only a caller sending one task id twice gets here: its other copy was recovered or closed.
+        logger.warning(
+            "celery-orphans: %s[%s] runs although its fence has moved past this copy; "
+            "was the same task id sent twice?",
+            entry.task_name,
+            entry.task_id,
+        )
 
 
 outbox = Outbox()

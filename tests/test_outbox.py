@@ -147,3 +147,29 @@ def test_removals_given_back_after_a_failed_write_are_flushed_first(ledger: Ledg
     outbox.give_back(ledger, taken)
 
     assert outbox.take(ledger) == [("second", second.token), ("first", first.token)]
+
+
+def test_an_entry_sent_after_redis_lost_its_scripts_is_written_the_slow_way(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    outbox = Outbox(delay=60)
+    outbox.admit(ledger, entry("warm-up"))  # the script is loaded with the outbox's connection
+    outbox.settle()
+    redis_client.script_flush()
+    e = entry("t")
+
+    outbox.admit(ledger, e)
+    outbox.settle()
+
+    assert ledger.load(["t"])["t"] == e
+
+
+def test_answers_are_read_by_the_thread_without_another_write(
+    ledger: Ledger, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    outbox = Outbox(delay=0.05)
+    redis_client.hset(Keys.current().fence("twice"), mapping={"attempts": 1, "retries": 0, "copy": 1})
+
+    with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
+        outbox.admit(ledger, entry("twice"))
+        wait_for(lambda: "was the same task id sent twice?" in caplog.text, 5, "the answer to be read")
