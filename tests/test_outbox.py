@@ -21,6 +21,11 @@ def ledger(redis_client: redis.Redis) -> Ledger:
     return Ledger(client(), Keys.current())
 
 
+def recovered_once(redis_client: redis.Redis, task_id: str) -> None:
+    """The fence a recovery leaves: every copy older than attempt 1 is stale."""
+    redis_client.hset(Keys.current().fence(task_id), mapping={"attempts": 1, "retries": 0, "copy": 1})
+
+
 def admitted(ledger: Ledger, task_id: str) -> Entry:
     e = entry(task_id, token=uuid.uuid4().hex)
     ledger.admit(e)
@@ -95,7 +100,7 @@ def test_a_copy_whose_fence_moved_on_is_logged_as_a_task_id_sent_twice(
     ledger: Ledger, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     outbox = Outbox(delay=60)
-    redis_client.hset(Keys.current().fence("twice"), mapping={"attempts": 1, "retries": 0, "copy": 1})
+    recovered_once(redis_client, "twice")
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
         outbox.admit(ledger, entry("twice"))
@@ -168,7 +173,7 @@ def test_answers_are_read_by_the_thread_without_another_write(
     ledger: Ledger, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     outbox = Outbox(delay=0.05)
-    redis_client.hset(Keys.current().fence("twice"), mapping={"attempts": 1, "retries": 0, "copy": 1})
+    recovered_once(redis_client, "twice")
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
         outbox.admit(ledger, entry("twice"))
