@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
@@ -74,14 +74,7 @@ class Executor:
                 else:
                     self._claim(decision.task_id, candidate, entry, "forget")
                 if first_record:
-                    audit.record(
-                        decision,
-                        task_name=outcome.task_name,
-                        worker=outcome.worker,
-                        trigger=self.options.trigger,
-                        user=self.options.user,
-                        checkpoint=saved,
-                    )
+                    audit.record(decision, checkpoint=saved, **self._recorded_by(outcome))
         except Moved:
             self._lift(decision.task_id)
             logger.info(
@@ -132,17 +125,19 @@ class Executor:
         decision = outcome.decision
         logger.info("celery-orphans: shadow mode: would have %s", describe(outcome))
         try:
-            audit.record_once(
-                decision,
-                task_name=outcome.task_name,
-                worker=outcome.worker,
-                trigger=self.options.trigger,
-                user=self.options.user,
-                shadow=True,
-            )
+            audit.record_once(decision, shadow=True, **self._recorded_by(outcome))
         except DatabaseError as exc:
             return dataclasses.replace(outcome, error=f"{type(exc).__name__}: {exc}")
         return dataclasses.replace(outcome, done=True)
+
+    def _recorded_by(self, outcome: Outcome) -> dict[str, Any]:
+        """What an audit row of ``outcome`` names besides its decision: the task, worker and trigger."""
+        return {
+            "task_name": outcome.task_name,
+            "worker": outcome.worker,
+            "trigger": self.options.trigger,
+            "user": self.options.user,
+        }
 
     def _claim(self, task_id: str, candidate: Candidate, entry: Entry | None, mode: str) -> int:
         claimed = self.ledger.claim(
