@@ -179,7 +179,8 @@ class Settings:
         "INSPECT_TIMEOUT_SECONDS",
         positive_float,
         1.0,
-        "How long the sweep waits for workers to answer its one query_task broadcast.",
+        "How long each worker has, from the moment the sweep's one query_task broadcast is sent, to "
+        "answer it; the wait ends sooner once every worker asked has answered.",
     )
     BOOT_SWEEP = Setting(
         "BOOT_SWEEP",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import redis
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps, object_hook
 
 from celery_orphans.reconcile import SAFE_CONTENT_TYPES
 from celery_orphans.store import Keys
@@ -236,7 +237,7 @@ class Entry:
     @classmethod
     def from_json(cls, raw: str | bytes, token: str) -> Entry:
         """Parse a stored entry; ``ValueError`` says why one cannot be trusted to be sent again as is."""
-        data = loads(raw)
+        data = _DECODER.decode(raw.decode() if isinstance(raw, bytes) else raw)
         if not isinstance(data, dict) or data.get("version") != ENTRY_VERSION:
             raise ValueError("not a celery-orphans ledger entry of a known version")
         _expect_keys("ledger entry", data, _ENTRY_KEYS)
@@ -262,6 +263,9 @@ class Entry:
         )
 
 
+# kombu's types in the headers (a datetime, say) come back as they went in, so the message is sent again
+# unchanged; one decoder for every entry, where kombu's loads() builds one per call.
+_DECODER = json.JSONDecoder(object_hook=object_hook)
 _ENTRY_KEYS = frozenset({"task_id", "task_name", "node", "boot", "recorded_at", "delivery", "version"})
 _DELIVERY_KEYS = frozenset(f.name for f in fields(Delivery))
 # The properties delivery_from_message keeps, and the types the broker accepts for them.

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import redis
 from celery import Celery
+from kombu import Connection, Consumer
+from kombu.message import Message
+from kombu.pidbox import Mailbox
+from kombu.utils.uuid import uuid
 
 from celery_orphans import leases
 from celery_orphans.reconcile import WorkerView
@@ -16,30 +21,119 @@ logger = logging.getLogger(__name__)
 
 
 def ask_workers(
-    app: Celery, nodes: Collection[str], task_ids: Collection[str], timeout: float
+    app: Celery,
+    nodes: Collection[str],
+    task_ids: Collection[str],
+    timeout: float,
+    meanwhile: Callable[[], object] | None = None,
 ) -> dict[str, frozenset[str]]:
     """Which of ``task_ids`` each node holds, for the nodes that answered; asked about no id, a node
     still answers, which says it is alive.
 
-    One broadcast to an explicit destination list: it returns as soon as every named node has replied,
-    so live workers cost one round trip and only silent ones cost the timeout.
+    One ``query_task`` broadcast to an explicit destination list, and every named node has ``timeout``
+    seconds from the moment it is sent to answer: the wait ends as soon as every node has replied, or
+    when that time is up. (Celery's ``inspect`` starts its wait over with each reply: twenty live
+    workers answering one after another and one dead worker cost the timeout after the last reply.)
+    ``meanwhile`` runs in this thread during the wait, while a thread of its own gathers the replies.
     """
-    if not nodes:
-        return {}
-    destination = sorted(nodes)
+    question = _Question(app, sorted(nodes), sorted(task_ids), timeout, meanwhile)
     try:
-        replies = app.control.inspect(destination=destination, timeout=timeout).query_task(*task_ids)
-    except app.connection_for_write().connection_errors as exc:
+        return question.ask()
+    except _BrokerLost as lost:
         # A pooled broker connection that the broker dropped: once more, on a connection of our own
         # (emptying the shared pool instead would leave later acquires waiting for ever).
-        logger.info("celery-orphans: broker connection lost while asking workers (%s); retrying", exc)
+        logger.info(
+            "celery-orphans: broker connection lost while asking workers (%s); retrying", lost.__cause__
+        )
         with app.connection_for_write() as conn:
-            inspect = app.control.inspect(destination=destination, timeout=timeout, connection=conn)
-            replies = inspect.query_task(*task_ids)
-    return {
-        node: frozenset(held) if isinstance(held, dict) else frozenset()
-        for node, held in (replies or {}).items()
-    }
+            return question.ask(conn)
+
+
+class _BrokerLost(Exception):
+    pass
+
+
+class _Question:
+    """One ``query_task`` broadcast and the replies to it."""
+
+    def __init__(
+        self,
+        app: Celery,
+        destination: list[str],
+        task_ids: list[str],
+        timeout: float,
+        meanwhile: Callable[[], object] | None,
+    ) -> None:
+        self.app, self.destination, self.task_ids, self.timeout = app, destination, task_ids, timeout
+        self.meanwhile = meanwhile  # run once, even when the question is asked again
+        self.expected = frozenset(destination)
+        self.held: dict[str, frozenset[str]] = {}
+        self.broken: BaseException | None = None
+
+    def ask(self, conn: Connection | None = None) -> dict[str, frozenset[str]]:
+        if not self.destination:
+            self._run_meanwhile()
+            return {}
+        errors = self.app.connection_for_write().connection_errors
+        # What Celery's broadcast does (kombu's Mailbox: the question, then the replies on the reply
+        # queue it declares), with one deadline for the whole wait instead of one per reply.
+        with self.app.connection_or_acquire(conn) as connection:
+            mailbox: Mailbox = self.app.control.mailbox(connection)  # type: ignore[attr-defined]
+            ticket = uuid()
+            try:
+                mailbox._publish(
+                    "query_task",
+                    {"ids": self.task_ids},
+                    destination=self.destination,
+                    reply_ticket=ticket,
+                    channel=connection.default_channel,
+                    timeout=self.timeout,
+                )
+            except errors as exc:
+                raise _BrokerLost from exc
+            deadline = time.monotonic() + self.timeout
+            gathering = threading.Thread(
+                target=self._gather, args=(connection, mailbox, ticket, deadline), name="celery-orphans-ask"
+            )
+            gathering.start()
+            try:
+                self._run_meanwhile()
+            finally:
+                gathering.join()
+        if isinstance(self.broken, errors):
+            raise _BrokerLost from self.broken
+        if self.broken is not None:
+            raise self.broken
+        return self.held
+
+    def _run_meanwhile(self) -> None:
+        meanwhile, self.meanwhile = self.meanwhile, None
+        if meanwhile is not None:
+            meanwhile()
+
+    def _gather(self, connection: Connection, mailbox: Mailbox, ticket: str, deadline: float) -> None:
+        def on_reply(body: object, message: Message) -> None:
+            if message.headers.get("ticket") == ticket and isinstance(body, dict):
+                for node, held in body.items():
+                    self.held[node] = frozenset(held) if isinstance(held, dict) else frozenset()
+
+        channel = connection.default_channel
+        consumer = Consumer(channel, [mailbox.reply_queue], accept=mailbox.accept, no_ack=True)
+        consumer.register_callback(on_reply)
+        self.broken = None
+        try:
+            with consumer:
+                while not self.held.keys() >= self.expected:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        connection.drain_events(timeout=remaining)
+                    except TimeoutError:
+                        break
+            channel.after_reply_message_received(mailbox.reply_queue.name)
+        except BaseException as exc:  # raised again in the thread that asked
+            self.broken = exc
 
 
 def observe(
@@ -62,21 +156,14 @@ def observe(
     lease seen fresh either time counts: a heartbeat held up by a Redis pause lands the moment Redis
     answers again, inside the broadcast's wait, so a live worker is not judged by that gap.
 
-    ``meanwhile`` runs in this thread while the broadcast waits for its replies (on a thread of its own,
-    which only waits on the broker's socket).
+    ``meanwhile`` runs in this thread while the broadcast waits for its replies.
     """
     before = leases.fresh_boots(nodes, conn, prune=False)
     question = set(task_ids)
     for node, ids in (own or {}).items():
         if before.get(node):
             question.update(ids)
-    if meanwhile is None:
-        held = ask_workers(app, nodes, question, timeout)
-    else:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="celery-orphans-ask") as pool:
-            asking = pool.submit(ask_workers, app, nodes, question, timeout)
-            meanwhile()
-            held = asking.result()
+    held = ask_workers(app, nodes, question, timeout, meanwhile)
     silent = [node for node in nodes if node not in held]
     after = leases.fresh_boots(silent, conn, prune=False) if silent else {}
     fresh = {node: before.get(node, frozenset()) | after.get(node, frozenset()) for node in nodes}

@@ -10,9 +10,12 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from datetime import timezone as dt_timezone
 
 from celery import states
-from django.db.models import Q, QuerySet
+from django.conf import settings as django_settings
+from django.db import connections
+from django.db.models import Expression, FloatField, Func, Q, QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 from django_celery_results.models import TaskResult
@@ -55,26 +58,43 @@ def rows_by_id(task_ids: Iterable[str]) -> dict[str, Row]:
 def _rows(query: QuerySet[TaskResult]) -> dict[str, Row]:
     # Without the model's ORDER BY date_done and without the ``result`` text, which only a row that
     # lacks its ``worker`` needs (read for those alone): half the time of the full row on a large table.
-    values = list(query.order_by().values(*_FIELDS, started=Coalesce("date_started", "date_created")))
-    nameless = [v["task_id"] for v in values if not v["worker"]]
+    values = list(query.order_by().values_list(*_FIELDS, _started(query.db)))
+    nameless = [v[0] for v in values if not v[3]]
     results = dict(
         TaskResult.objects.filter(task_id__in=nameless).order_by().values_list("task_id", "result")
         if nameless
         else ()
     )
-    return {str(v["task_id"]): _row(v, results.get(v["task_id"])) for v in values}
+    aware = django_settings.USE_TZ
+    return {
+        str(task_id): Row(
+            task_id=str(task_id),
+            task_name=str(name) if name else None,
+            status=str(status),
+            worker=str(worker) if worker else _hostname(results.get(task_id)),
+            started_at=_moment(started, aware),
+        )
+        for task_id, name, status, worker, started in values
+    }
 
 
-def _row(values: dict[str, object], result: object) -> Row:
-    worker = values["worker"] or _hostname(result)
-    started = values["started"]
-    return Row(
-        task_id=str(values["task_id"]),
-        task_name=str(values["task_name"]) if values["task_name"] else None,
-        status=str(values["status"]),
-        worker=str(worker) if worker else None,
-        started_at=started if isinstance(started, datetime) else None,
+def _started(using: str) -> Expression:
+    """When the task started (its creation if it has no start time); on PostgreSQL as seconds since
+    the epoch, which psycopg reads as a float in C, where each ``timestamptz`` goes through Django's
+    time zone loader in Python: most of the time of reading ten thousand rows."""
+    started = Coalesce("date_started", "date_created")
+    if connections[using].vendor != "postgresql":
+        return started
+    return Func(
+        started, template="EXTRACT(EPOCH FROM %(expressions)s)::double precision", output_field=FloatField()
     )
+
+
+def _moment(started: object, aware: bool) -> datetime | None:
+    if isinstance(started, float):
+        moment = datetime.fromtimestamp(started, tz=dt_timezone.utc)
+        return moment if aware else timezone.make_naive(moment)
+    return started if isinstance(started, datetime) else None
 
 
 def _hostname(result: object) -> str | None:

@@ -177,23 +177,25 @@ def _sweep(app: Celery, options: Options, executors: list[actions.Executor]) -> 
             decisions = [by_operator(d) for d in decisions]
         # Only recoveries are limited per sweep: an operator closing orphans closes every one chosen.
         decisions = defer_excess(decisions, settings.MAX_RECOVERIES_PER_SWEEP)
+        outcomes = [Outcome(d, c.task_name or "", c.worker or "") for c, d in zip(candidates, decisions)]
     shadow = options.shadow if options.shadow is not None else settings.SHADOW_MODE
-    report = Report(dry_run=options.dry_run, shadow=shadow)
+    report = Report(outcomes, dry_run=options.dry_run, shadow=shadow)
+    if options.dry_run:
+        return report
     executor = actions.Executor(app, ledger, options, now)
     executors.append(executor)
-    stopped = False
-    for candidate, decision in zip(candidates, decisions):
-        outcome = Outcome(decision, candidate.task_name or "", candidate.worker or "")
-        allowed = options.acts is None or decision.action in options.acts
-        if not options.dry_run and not stopped and allowed and decision.action in actions.ACTS:
-            if shadow:
-                outcome = executor.shadow(outcome)
-            else:
-                outcome = executor.carry_out(outcome, candidate, entries.get(candidate.task_id))
-            stopped = outcome.error is not None
-        report.outcomes.append(outcome)
-    if not options.dry_run and not stopped:
-        _forget_lapsed_boots({c.worker for c in candidates if c.worker})
+    for i, candidate in enumerate(candidates):
+        outcome, action = outcomes[i], outcomes[i].decision.action
+        if action not in actions.ACTS or (options.acts is not None and action not in options.acts):
+            continue
+        if shadow:
+            outcome = executor.shadow(outcome)
+        else:
+            outcome = executor.carry_out(outcome, candidate, entries.get(candidate.task_id))
+        outcomes[i] = outcome
+        if outcome.error is not None:
+            return report  # stopped there: the rest is found again by the next sweep
+    _forget_lapsed_boots({c.worker for c in candidates if c.worker})
     return report
 
 

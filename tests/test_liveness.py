@@ -1,0 +1,75 @@
+"""The one broadcast a sweep sends: every named node has the timeout, counted from the sending, to answer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_orphans import liveness
+from tests.test_recovery import started_on
+from tests.workers import wait_for
+
+pytestmark = pytest.mark.worker
+
+DEAD = "never-started@test"
+
+
+def test_a_late_reply_does_not_restart_the_wait_for_a_silent_node(workers, celery_app):
+    """A solo worker answers only once its task ends: Celery's inspect would then wait the whole
+    timeout again for the silent node; the question ends the timeout after it was sent."""
+    from demoapp.tasks import summarize
+
+    workers.start("late@test", pool="solo")
+    result = summarize.delay([1], seconds=3)
+    started_on(result.id, "late@test")
+    began = time.monotonic()
+    time.sleep(1.5)  # the task ends about 1.5 s after the question goes out
+
+    asked = time.monotonic()
+    held = liveness.ask_workers(celery_app, ["late@test", DEAD], [result.id], timeout=4.0)
+    waited = time.monotonic() - asked
+
+    assert held == {"late@test": frozenset()}  # it answered, after its task ended
+    assert time.monotonic() - began > 3.0
+    assert 4.0 <= waited < 5.0  # Celery's own wait: about 1.5 + 4 s
+
+
+def test_the_wait_ends_as_soon_as_every_node_answered(workers, celery_app):
+    from demoapp.tasks import summarize
+
+    workers.start("busy@test")
+    workers.start("idle@test", queues=("nothing-is-sent-here",))
+    result = summarize.delay([1], seconds=20)
+    started_on(result.id, "busy@test")
+
+    asked = time.monotonic()
+    held = liveness.ask_workers(celery_app, ["busy@test", "idle@test"], [result.id], timeout=30.0)
+
+    assert held == {"busy@test": frozenset({result.id}), "idle@test": frozenset()}
+    assert time.monotonic() - asked < 15.0
+    wait_for(result.ready, 30, "the task to end")
+
+
+def test_meanwhile_runs_once_during_the_wait_and_its_error_is_not_retried(workers, celery_app):
+    calls = []
+
+    def meanwhile() -> None:
+        calls.append(time.monotonic())
+        raise ConnectionError("the ledger went away")
+
+    asked = time.monotonic()
+    with pytest.raises(ConnectionError, match="the ledger went away"):
+        liveness.ask_workers(celery_app, [DEAD], [], timeout=1.0, meanwhile=meanwhile)
+
+    assert len(calls) == 1 and calls[0] - asked < 0.5  # during the wait, not after it
+    assert time.monotonic() - asked >= 1.0  # the question still had its whole timeout
+
+
+def test_no_node_to_ask_still_runs_meanwhile(celery_app):
+    calls = []
+    assert (
+        liveness.ask_workers(celery_app, [], ["some-id"], timeout=5.0, meanwhile=lambda: calls.append(1))
+        == {}
+    )
+    assert calls == [1]
