@@ -336,32 +336,46 @@ def dry() -> Timed:
     return ours(dry_run=True)
 
 
-def reference() -> Timed:
-    """Ping each distinct worker in turn, then decide every row with its own query."""
+@dataclass(frozen=True)
+class Pinged:
+    alive: dict[str, bool]
+    seconds: float
+
+
+def reference_pings() -> Pinged:
+    """The reference's first phase: ping each distinct worker of the STARTED set in turn."""
     started = time.monotonic()
-    cutoff = timezone.now()
-    started_before = TaskResult.objects.filter(status="STARTED", date_started__lte=cutoff)
-    workers = sorted(w for w in started_before.order_by().values_list("worker", flat=True).distinct() if w)
+    workers = sorted(w for w in started_set().order_by().values_list("worker", flat=True).distinct() if w)
     alive = {}
     for worker in workers:
         replies = app.control.inspect(destination=[worker], timeout=1).ping() or {}
         alive[worker] = worker in replies
-    pinged = time.monotonic()
+    return Pinged(alive, time.monotonic() - started)
+
+
+def reference_rows(pinged: Pinged) -> Timed:
+    """The reference's second phase: decide every row with its own query."""
+    started = time.monotonic()
     orphaned = alive_rows = 0
-    for task_id in list(started_before.values_list("task_id", flat=True)):
+    for task_id in list(started_set().values_list("task_id", flat=True)):
         row = TaskResult.objects.filter(task_id=task_id).values("status", "worker").first()
         if row is None or row["status"] != "STARTED":
             continue
-        if alive.get(row["worker"]):
+        if pinged.alive.get(row["worker"]):
             alive_rows += 1
         else:
             orphaned += 1
-    seconds = time.monotonic() - started
+    rows = time.monotonic() - started
     return Timed(
-        seconds,
-        {"orphaned": orphaned, "alive": alive_rows, "workers_pinged": len(workers)},
-        {"ping": pinged - started, "rows": seconds - (pinged - started)},
+        pinged.seconds + rows,
+        {"orphaned": orphaned, "alive": alive_rows, "workers_pinged": len(pinged.alive)},
+        {"ping": pinged.seconds, "rows": rows},
     )
+
+
+def started_set() -> Any:
+    # The benchmark's own STARTED rows: a benchmark running alongside writes rows of its own.
+    return TaskResult.objects.filter(task_id__startswith=STARTED_PREFIX, status="STARTED")
 
 
 def explain_started_rows() -> dict[str, Any]:
@@ -527,7 +541,8 @@ def main() -> None:
     parser.add_argument(
         "--alongside",
         type=Path,
-        help="JSON file {command, env, log}: a wait-bound benchmark to run while the reference runs",
+        action="append",
+        help="JSON file {name, command, env, log}: a benchmark to run while the reference pings (repeatable)",
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "sweep_scale.json")
     args = parser.parse_args()
@@ -585,11 +600,12 @@ def main() -> None:
         for label, plan in results["explain"].items():
             log(f"EXPLAIN started_rows ({label}): {plan['execution_ms']:.1f} ms, {' > '.join(plan['nodes'])}")
         ours_runs = [fleet.trial(dry)]
-        # The reference spends nearly all its time waiting out 1 s ping timeouts; another benchmark
-        # that mostly waits (recovery time) may run meanwhile. Ours is never timed while it runs.
-        beside = Alongside.start(args.alongside)
-        ref = fleet.trial(reference)
-        results["alongside"] = beside.finish() if beside else None
+        # The reference's pings spend nearly all their time waiting out 1 s timeouts: other benchmarks
+        # run meanwhile. Its row queries, and every run of ours, wait until they have ended.
+        beside = [Alongside.start(spec) for spec in args.alongside or []]
+        pinged = fleet.trial(reference_pings)
+        results["alongside"] = {b.name: b.finish() for b in beside}
+        ref = fleet.trial(lambda: reference_rows(pinged))
         ours_runs.append(fleet.trial(dry))
         for _ in range(max(0, args.trials - 2)):
             ours_runs.append(fleet.trial(dry))
@@ -703,27 +719,24 @@ def main() -> None:
 class Alongside:
     """Another benchmark's process, run while the reference waits out its timeouts; output to a file."""
 
+    name: str
     process: subprocess.Popen[bytes]
-    log_path: Path
     started: float
 
     @classmethod
-    def start(cls, spec_path: Path | None) -> Alongside | None:
-        if spec_path is None:
-            return None
+    def start(cls, spec_path: Path) -> Alongside:
         spec = json.loads(spec_path.read_text())
-        log_path = Path(spec["log"])
-        with open(log_path, "wb") as out:
+        with open(spec["log"], "wb") as out:
             process = subprocess.Popen(
                 spec["command"], cwd=ROOT, env=spec["env"], stdout=out, stderr=subprocess.STDOUT
             )
-        log(f"  running alongside the reference: {' '.join(spec['command'][1:])}")
-        return cls(process, log_path, time.monotonic())
+        log(f"  running alongside the reference's pings: {' '.join(spec['command'])}")
+        return cls(spec["name"], process, time.monotonic())
 
     def finish(self) -> dict[str, Any]:
         waited = time.monotonic()
         code = self.process.wait()
-        log(f"  it ended {time.monotonic() - waited:.1f}s after the reference (exit code {code})")
+        log(f"  {self.name} ended {time.monotonic() - waited:.1f}s after the pings (exit code {code})")
         return {
             "exit_code": code,
             "seconds": time.monotonic() - self.started,

@@ -6,12 +6,14 @@ sent before each task runs, its answer read later, which also carries the remova
 acknowledged since). The worker's lease heartbeat (one Redis write every 2 s) runs throughout, for both
 sets.
 
-A run queues a whole batch first, then tells the worker to consume that queue, and counts from the first
-task's ``date_started`` to the last one's ``date_done``, so publishing never competes with the worker for
-the CPU. Runs are
-interleaved (plain, ours, ours, plain, ...) and each figure is the median of ``--trials`` runs.
+A trial queues both sets' tasks in one queue, in three stretches (half of one set's, all of the other's,
+then the other half; which set goes inside alternates), then tells the worker to consume that queue.
+Both sets are timed over the same stretch of time, so a machine that slows down or speeds up part way
+weighs on both alike; a stretch ends with its last task's ``date_done`` and begins with the previous
+stretch's end (the first with its first task's ``date_started``), and publishing never competes with
+the worker for the CPU. Each figure is the median of ``--trials`` trials.
 
-    python benchmarks/throughput.py --trials 7
+    python benchmarks/throughput.py --trials 11
     python benchmarks/throughput.py --quick
 """
 
@@ -124,14 +126,21 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 @dataclass(frozen=True)
-class Run:
-    rate: float  # tasks per second
-    cpu_ms: float  # the worker's CPU time per task, all its processes
+class Trial:
+    rates: dict[str, float]  # tasks per second, by variant
+    cpu_ms: float  # the worker's CPU time per task, both variants together
 
 
-def run_batch(worker: Worker, variant: str, kind: str, size: int) -> Run:
-    """Queue ``size`` tasks, let the worker drain them; its rate and CPU time per task."""
-    name = TASKS[(variant, kind)]
+def run_trial(worker: Worker, kind: str, size: int, inside: str) -> Trial:
+    """Queue ``size`` tasks of each variant in three stretches (half of the other variant's tasks, all of
+    ``inside``'s, the other half), let the worker drain them, and time each stretch.
+
+    Both variants run in one stretch of time, the one inside the other: a machine that slows down or
+    speeds up part way weighs on both alike. A stretch ends with its last task's finish and begins with
+    the previous one's end (the first with its first task's start), as the worker recorded them.
+    """
+    outside = next(v for v in VARIANTS if v != inside)
+    stretches = [(outside, size // 2), (inside, size), (outside, size - size // 2)]
     queue = f"bench.run.{uuid.uuid4().hex[:8]}"
     prefix = f"tp-{queue}-"
     runs = TaskResult.objects.filter(task_id__startswith=prefix)
@@ -139,20 +148,29 @@ def run_batch(worker: Worker, variant: str, kind: str, size: int) -> Run:
     def drained() -> bool:
         if not worker.is_running():
             raise WorkerGone("the worker stopped during the run")
-        return runs.filter(status="SUCCESS").count() == size
+        return runs.filter(status="SUCCESS").count() == 2 * size
 
     try:
         with app.producer_or_acquire() as producer:
-            for i in range(size):
-                app.send_task(name, task_id=f"{prefix}{i}", queue=queue, producer=producer)
+            for n, (variant, count) in enumerate(stretches):
+                for i in range(count):
+                    app.send_task(
+                        TASKS[(variant, kind)], task_id=f"{prefix}{n}-{i}", queue=queue, producer=producer
+                    )
         cpu = tree_cpu_seconds(worker.pid)
         app.control.add_consumer(queue, destination=[NODE], reply=True, timeout=5)
-        wait_for(drained, 600, f"{size} {name}", interval=0.25)
+        wait_for(drained, 600, f"{2 * size} {kind} tasks", interval=0.25)
         cpu = tree_cpu_seconds(worker.pid) - cpu
-        # From the first start to the last finish, as the worker recorded them: the up to 1 s the Redis
-        # transport takes to notice a newly added queue is left out.
-        span = runs.aggregate(first=Min("date_started"), last=Max("date_done"))
-        return Run(size / (span["last"] - span["first"]).total_seconds(), 1000 * cpu / size)
+        ends, begun = [], None
+        for n in range(len(stretches)):
+            span = runs.filter(task_id__startswith=f"{prefix}{n}-").aggregate(
+                first=Min("date_started"), last=Max("date_done")
+            )
+            begun = begun or span["first"]
+            ends.append(span["last"])
+        inside_s = (ends[1] - ends[0]).total_seconds()
+        outside_s = (ends[0] - begun + ends[2] - ends[1]).total_seconds()
+        return Trial({inside: size / inside_s, outside: size / outside_s}, 1000 * cpu / (2 * size))
     finally:
         if worker.is_running():
             app.control.cancel_consumer(queue, destination=[NODE], reply=True, timeout=5)
@@ -170,18 +188,18 @@ class Runner:
         self.worker = start_worker(tmp, env)
         self.restarts = 0
 
-    def batch(self, variant: str, kind: str, size: int, tries: int = 3) -> Run:
+    def trial(self, kind: str, size: int, inside: str, tries: int = 3) -> Trial:
         for attempt in range(1, tries + 1):
             if not self.worker.is_running():
                 log("  the worker was stopped from outside; starting it again")
                 self.worker = start_worker(self.tmp, self.env)
                 self.restarts += 1
             try:
-                return run_batch(self.worker, variant, kind, size)
+                return run_trial(self.worker, kind, size, inside)
             except (*CUT, WorkerGone) as exc:
                 if attempt == tries:
                     raise
-                log(f"  {type(exc).__name__}: {exc}; running this batch again")
+                log(f"  {type(exc).__name__}: {exc}; running this trial again")
                 time.sleep(6)  # outlast a CLIENT PAUSE
         raise AssertionError("unreachable")
 
@@ -202,24 +220,14 @@ def ledger_left() -> int:
 def measure(runner: Runner, trials: int, seconds: float, warmups: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for kind in KINDS:
-        # Size the batch so that one run takes about ``seconds``.
-        warm = statistics.mean(runner.batch(v, kind, 50).rate for v in VARIANTS for _ in range(warmups))
-        size = max(50, int(warm * seconds))
-        runs: dict[str, list[Run]] = {v: [] for v in VARIANTS}
-        for trial in range(trials):
-            order = VARIANTS if trial % 2 == 0 else VARIANTS[::-1]
-            for variant in order:
-                runs[variant].append(runner.batch(variant, kind, size))
-            log(
-                f"  {kind} trial {trial + 1}: "
-                + ", ".join(
-                    f"{v} {runs[v][-1].rate:.0f}/s ({runs[v][-1].cpu_ms:.2f} ms CPU/task)" for v in VARIANTS
-                )
-            )
-        rates = {v: [r.rate for r in runs[v]] for v in VARIANTS}
-        cpu = {v: [r.cpu_ms for r in runs[v]] for v in VARIANTS}
+        # Size the trials so that each variant's tasks take about ``seconds``.
+        warm = [runner.trial(kind, 50, VARIANTS[i % 2]) for i in range(warmups)]
+        size = max(50, int(statistics.mean(r for t in warm for r in t.rates.values()) * seconds))
+        done = [runner.trial(kind, size, VARIANTS[i % 2]) for i in range(trials)]
+        for n, t in enumerate(done, 1):
+            log(f"  {kind} trial {n}: " + ", ".join(f"{v} {t.rates[v]:.0f}/s" for v in VARIANTS))
+        rates = {v: [t.rates[v] for t in done] for v in VARIANTS}
         plain, ours = (statistics.median(rates[v]) for v in VARIANTS)
-        plain_cpu, ours_cpu = (statistics.median(cpu[v]) for v in VARIANTS)
         results[kind] = {
             "batch": size,
             "plain_runs": rates["plain"],
@@ -227,19 +235,12 @@ def measure(runner: Runner, trials: int, seconds: float, warmups: int) -> dict[s
             "plain": plain,
             "ours": ours,
             "ratio": ours / plain,
-            # Paired by trial, so slow spells on the shared machine hit both sides.
-            "paired_ratio_median": statistics.median(o / p for o, p in zip(rates["ours"], rates["plain"])),
-            # CPU time is far less sensitive to other work on the machine than a rate is.
-            "plain_cpu_ms_per_task": plain_cpu,
-            "ours_cpu_ms_per_task": ours_cpu,
-            "plain_cpu_runs": cpu["plain"],
-            "ours_cpu_runs": cpu["ours"],
+            "paired_ratio_median": statistics.median(t.rates["ours"] / t.rates["plain"] for t in done),
+            "cpu_ms_per_task": statistics.median(t.cpu_ms for t in done),
         }
         log(
-            f"{kind}: batch {size}, plain {plain:.0f}/s, ours {ours:.0f}/s, "
-            f"ours/plain {ours / plain:.1%} (paired median {results[kind]['paired_ratio_median']:.1%}); "
-            f"worker CPU per task plain {plain_cpu:.2f} ms, ours {ours_cpu:.2f} ms "
-            f"({ours_cpu / plain_cpu - 1:+.1%})"
+            f"{kind}: {size} of each per trial, plain {plain:.0f}/s, ours {ours:.0f}/s, "
+            f"ours/plain {ours / plain:.1%} (paired median {results[kind]['paired_ratio_median']:.1%})"
         )
     return results
 
@@ -251,7 +252,7 @@ def profile_hooks(tmp: Path, size: int) -> dict[str, dict[str, float]]:
         conn.delete(key)
     runner = Runner(tmp, {"BENCH_TIME_HOOKS": "1"})
     try:
-        runner.batch("ours", "noop", size)
+        runner.trial("noop", size, "ours")
     finally:
         runner.close()
     stats = {}
@@ -271,8 +272,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="CI size: 2 trials of about 1 s each")
-    parser.add_argument("--trials", type=int, default=None, help="runs per variant and task (default 7)")
-    parser.add_argument("--seconds", type=float, default=None, help="length of one run (default 3)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per task (default 11)")
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="seconds of each variant's tasks per trial (default 2)"
+    )
     parser.add_argument(
         "--profile-hooks",
         action="store_true",
@@ -280,8 +283,8 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
-    trials = args.trials or (2 if args.quick else 7)
-    seconds = args.seconds or (1.0 if args.quick else 3.0)
+    trials = args.trials or (2 if args.quick else 11)
+    seconds = args.seconds or (1.0 if args.quick else 2.0)
 
     call_command("migrate", verbosity=0)
     TaskResult.objects.filter(task_id__startswith="tp-").delete()
