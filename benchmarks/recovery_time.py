@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20, help="P1 trials (and P2's unless --p2-trials)")
     parser.add_argument("--p2-trials", type=int, help="P2 trials (each waits out a lease and a sweep)")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "recovery_time.json")
+    parser.add_argument("--p1-done", type=Path, help="a file to create once the P1 trials have ended")
     args = parser.parse_args()
 
     call_command("migrate", verbosity=0)
@@ -156,7 +157,11 @@ def main() -> None:
         start_new_session=True,
     )
     try:
-        p1 = same_name(pool, args.trials)
+        try:
+            p1 = same_name(pool, args.trials)
+        finally:
+            if args.p1_done:
+                args.p1_done.touch()
         p2 = never_back(pool, args.p2_trials or args.trials)
     finally:
         os.killpg(beat.pid, signal.SIGTERM)
