@@ -14,7 +14,7 @@ a target not judged at ``--quick`` size is ``n/a``.
 Recovery time (P1, P2) and ledger hygiene (P5) run inside the sweep benchmark's process time, while the
 ping-per-worker reference pings one worker after another: those pings spend three minutes waiting out
 1 s timeouts, which other work on the machine does not lengthen. P5 starts once P1's worker restarts are
-over, niced below P2's workers. The reference's row queries and every sweep of ours are timed only once
+over. The reference's row queries and every sweep of ours are timed only once
 both have ended, and throughput (P4) runs alone.
 """
 
@@ -191,10 +191,9 @@ def without_ours(env: dict[str, str]) -> dict[str, str]:
 RECOVERY_FULL = ["--trials", "10", "--p2-trials", "8"]
 RECOVERY_QUICK = ["--trials", "1"]
 
-# Run while the P3 reference pings one worker after another (see the docstring). P5 only counts what is
-# left in Redis: it starts once P1's worker restarts are over, and at a lower priority than P2's workers.
+# Run while the P3 reference pings one worker after another (see the docstring); P5 once P1's worker
+# restarts are over.
 ALONGSIDE_REFERENCE = ("recovery_time", "hygiene")
-HYGIENE_NICENESS = 10
 
 BENCHMARKS = [
     Benchmark(
@@ -239,9 +238,9 @@ def run_alongside(
         if guest.name == "recovery_time":
             command += ["--p1-done", str(p1_done)]
         elif guest.name == "hygiene":
-            # After P1 (at most ten minutes' wait), at a lower priority.
+            # Once P1 is over (waiting ten minutes at most).
             wait = f"for _ in $(seq 1200); do [ -e {p1_done} ] && break; sleep 0.5; done"
-            command = ["bash", "-c", f'{wait}; exec nice -n {HYGIENE_NICENESS} "$@"', "hygiene", *command]
+            command = ["bash", "-c", f'{wait}; exec "$@"', "hygiene", *command]
         spec = tmp / f"{guest.name}.alongside.json"
         spec.write_text(
             json.dumps(

@@ -13,7 +13,7 @@ weighs on both alike; a stretch ends with its last task's ``date_done`` and begi
 stretch's end (the first with its first task's ``date_started``), and publishing never competes with
 the worker for the CPU. Each figure is the median of ``--trials`` trials.
 
-    python benchmarks/throughput.py --trials 11
+    python benchmarks/throughput.py --trials 9
     python benchmarks/throughput.py --quick
 """
 
@@ -272,7 +272,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="CI size: 2 trials of about 1 s each")
-    parser.add_argument("--trials", type=int, default=None, help="trials per task (default 11)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per task (default 9)")
     parser.add_argument(
         "--seconds", type=float, default=None, help="seconds of each variant's tasks per trial (default 2)"
     )
@@ -283,7 +283,7 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
-    trials = args.trials or (2 if args.quick else 11)
+    trials = args.trials or (2 if args.quick else 9)
     seconds = args.seconds or (1.0 if args.quick else 2.0)
 
     call_command("migrate", verbosity=0)
