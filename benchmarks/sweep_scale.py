@@ -56,6 +56,7 @@ django.setup()
 
 from django.core.management import call_command  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
+from django.db.models import QuerySet  # noqa: E402
 from django.test.utils import CaptureQueriesContext  # noqa: E402
 from django.utils import timezone  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
@@ -373,7 +374,7 @@ def reference_rows(pinged: Pinged) -> Timed:
     )
 
 
-def started_set() -> Any:
+def started_set() -> QuerySet[TaskResult]:
     # The benchmark's own STARTED rows: a benchmark running alongside writes rows of its own.
     return TaskResult.objects.filter(task_id__startswith=STARTED_PREFIX, status="STARTED")
 

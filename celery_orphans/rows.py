@@ -59,7 +59,7 @@ def _rows(query: QuerySet[TaskResult]) -> dict[str, Row]:
     # Without the model's ORDER BY date_done and without the ``result`` text, which only a row that
     # lacks its ``worker`` needs (read for those alone): half the time of the full row on a large table.
     values = list(query.order_by().values_list(*_FIELDS, _started(query.db)))
-    nameless = [v[0] for v in values if not v[3]]
+    nameless = [task_id for task_id, _, _, worker, _ in values if not worker]
     results = dict(
         TaskResult.objects.filter(task_id__in=nameless).order_by().values_list("task_id", "result")
         if nameless

@@ -184,8 +184,8 @@ def _sweep(app: Celery, options: Options, executors: list[actions.Executor]) -> 
         return report
     executor = actions.Executor(app, ledger, options, now)
     executors.append(executor)
-    for i, candidate in enumerate(candidates):
-        outcome, action = outcomes[i], outcomes[i].decision.action
+    for i, (candidate, outcome) in enumerate(zip(candidates, outcomes)):
+        action = outcome.decision.action
         if action not in actions.ACTS or (options.acts is not None and action not in options.acts):
             continue
         if shadow:
