@@ -6,15 +6,18 @@ sent before each task runs, its answer read later, which also carries the remova
 acknowledged since). The worker's lease heartbeat (one Redis write every 2 s) runs throughout, for both
 sets.
 
-A trial queues both sets' tasks in one queue, in three stretches (half of one set's, all of the other's,
-then the other half; which set goes inside alternates), then tells the worker to consume that queue.
-Both sets are timed over the same stretch of time, so a machine that slows down or speeds up part way
-weighs on both alike; a stretch ends with its last task's ``date_done`` and begins with the previous
-stretch's end (the first with its first task's ``date_started``), and publishing never competes with
-the worker for the CPU. Each figure is the median of ``--trials`` trials.
+A trial queues both sets' tasks in one queue, in eight blocks in the order ``abbabaab`` (which set is
+"a" alternates from trial to trial), between a few untimed plain tasks before and after, then tells the
+worker to consume that queue. A block ends with its last task's ``date_done`` and begins with the
+previous block's end; the untimed tasks keep both pool processes busy from the first timed block to the
+last. Each set holds every position in the order equally often, so a machine that slows down or speeds
+up across a trial (linearly, or even quadratically) weighs on both alike, and publishing never competes
+with the worker for the CPU. Each figure is the median of ``--trials`` trials; ``--control`` runs the
+plain set on both sides (an A/A run), to show what the design reads when there is nothing to find.
 
     python benchmarks/throughput.py --trials 9
     python benchmarks/throughput.py --quick
+    python benchmarks/throughput.py --control
 """
 
 from __future__ import annotations
@@ -131,46 +134,55 @@ class Trial:
     cpu_ms: float  # the worker's CPU time per task, both variants together
 
 
-def run_trial(worker: Worker, kind: str, size: int, inside: str) -> Trial:
-    """Queue ``size`` tasks of each variant in three stretches (half of the other variant's tasks, all of
-    ``inside``'s, the other half), let the worker drain them, and time each stretch.
+# The order of a trial's timed blocks, "a" being the variant that goes first: each variant holds every
+# position equally often, and a drift of the machine's speed that is linear (or quadratic) across the
+# trial weighs on both variants alike.
+ORDER = "abbabaab"
 
-    Both variants run in one stretch of time, the one inside the other: a machine that slows down or
-    speeds up part way weighs on both alike. A stretch ends with its last task's finish and begins with
-    the previous one's end (the first with its first task's start), as the worker recorded them.
+
+def run_trial(worker: Worker, kind: str, size: int, first: str, tasks: dict[tuple[str, str], str] = TASKS) -> Trial:
+    """Queue ``size`` tasks of each variant in blocks (``ORDER``, ``first`` as "a") between untimed lead-in
+    and lead-out tasks, let the worker drain them, and time each variant's blocks.
+
+    A block ends with its last task's finish and begins with the previous block's end, as the worker
+    recorded them; the lead-in and lead-out keep both pool processes busy throughout every timed block, so
+    no block pays for the worker starting or running down.
     """
-    outside = next(v for v in VARIANTS if v != inside)
-    stretches = [(outside, size // 2), (inside, size), (outside, size - size // 2)]
+    second = next(v for v in VARIANTS if v != first)
+    variants = {"a": first, "b": second}
+    per_block = size // ORDER.count("a")
+    lead = max(10, per_block // 4)
+    blocks = [("plain", lead)] + [(variants[c], per_block) for c in ORDER] + [("plain", lead)]
     queue = f"bench.run.{uuid.uuid4().hex[:8]}"
     prefix = f"tp-{queue}-"
     runs = TaskResult.objects.filter(task_id__startswith=prefix)
+    total = sum(count for _, count in blocks)
 
     def drained() -> bool:
         if not worker.is_running():
             raise WorkerGone("the worker stopped during the run")
-        return runs.filter(status="SUCCESS").count() == 2 * size
+        return runs.filter(status="SUCCESS").count() == total
 
     try:
         with app.producer_or_acquire() as producer:
-            for n, (variant, count) in enumerate(stretches):
+            for n, (variant, count) in enumerate(blocks):
                 for i in range(count):
                     app.send_task(
-                        TASKS[(variant, kind)], task_id=f"{prefix}{n}-{i}", queue=queue, producer=producer
+                        tasks[(variant, kind)], task_id=f"{prefix}{n}-{i}", queue=queue, producer=producer
                     )
         cpu = tree_cpu_seconds(worker.pid)
         app.control.add_consumer(queue, destination=[NODE], reply=True, timeout=5)
-        wait_for(drained, 600, f"{2 * size} {kind} tasks", interval=0.25)
+        wait_for(drained, 600, f"{total} {kind} tasks", interval=0.25)
         cpu = tree_cpu_seconds(worker.pid) - cpu
-        ends, begun = [], None
-        for n in range(len(stretches)):
-            span = runs.filter(task_id__startswith=f"{prefix}{n}-").aggregate(
-                first=Min("date_started"), last=Max("date_done")
-            )
-            begun = begun or span["first"]
-            ends.append(span["last"])
-        inside_s = (ends[1] - ends[0]).total_seconds()
-        outside_s = (ends[0] - begun + ends[2] - ends[1]).total_seconds()
-        return Trial({inside: size / inside_s, outside: size / outside_s}, 1000 * cpu / (2 * size))
+        ends: dict[int, Any] = {}
+        for task_id, done in runs.values_list("task_id", "date_done"):
+            n = int(task_id.removeprefix(prefix).split("-", 1)[0])
+            ends[n] = max(ends.get(n, done), done)
+        seconds = dict.fromkeys(VARIANTS, 0.0)
+        for n in range(1, len(blocks) - 1):
+            seconds[blocks[n][0]] += (ends[n] - ends[n - 1]).total_seconds()
+        timed = per_block * ORDER.count("a")
+        return Trial({v: timed / seconds[v] for v in VARIANTS}, 1000 * cpu / total)
     finally:
         if worker.is_running():
             app.control.cancel_consumer(queue, destination=[NODE], reply=True, timeout=5)
@@ -182,20 +194,23 @@ def run_trial(worker: Worker, kind: str, size: int, inside: str) -> Trial:
 class Runner:
     """The worker, started again if something outside stops it."""
 
-    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tmp: Path, env: dict[str, str] | None = None, tasks: dict[tuple[str, str], str] = TASKS
+    ) -> None:
         self.tmp = tmp
         self.env = env
+        self.tasks = tasks
         self.worker = start_worker(tmp, env)
         self.restarts = 0
 
-    def trial(self, kind: str, size: int, inside: str, tries: int = 3) -> Trial:
+    def trial(self, kind: str, size: int, first: str, tries: int = 3) -> Trial:
         for attempt in range(1, tries + 1):
             if not self.worker.is_running():
                 log("  the worker was stopped from outside; starting it again")
                 self.worker = start_worker(self.tmp, self.env)
                 self.restarts += 1
             try:
-                return run_trial(self.worker, kind, size, inside)
+                return run_trial(self.worker, kind, size, first, self.tasks)
             except (*CUT, WorkerGone) as exc:
                 if attempt == tries:
                     raise
@@ -281,6 +296,11 @@ def main() -> None:
         action="store_true",
         help="time each per-task hook inside a worker (done anyway when a full-size target is missed)",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A run: the plain set on both sides, to see what the design reads when there is no difference",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
     trials = args.trials or (2 if args.quick else 9)
@@ -290,7 +310,8 @@ def main() -> None:
     TaskResult.objects.filter(task_id__startswith="tp-").delete()
     tmp = Path(tempfile.mkdtemp(prefix="celery-orphans-throughput-"))
     client().flushdb()  # db 13 is ours alone: no key of an earlier run, or of an older package version
-    runner = Runner(tmp)
+    tasks = {(v, kind): TASKS[("plain", kind)] for v in VARIANTS for kind in KINDS} if args.control else TASKS
+    runner = Runner(tmp, tasks=tasks)
     try:
         results = measure(runner, trials, seconds, warmups=1 if args.quick else 2)
     finally:
@@ -316,6 +337,7 @@ def main() -> None:
     results["ledger_entries_left"] = ledger_left()
     results["trials"] = trials
     results["quick"] = args.quick
+    results["control"] = args.control
     results["checks"] = [
         {
             "benchmark": f"P4 throughput, {kind}",
