@@ -43,7 +43,6 @@ from benchmarks.throughput_app import TASKS, app  # noqa: E402  (sets Django up)
 # isort: split
 import redis  # noqa: E402
 from django.core.management import call_command  # noqa: E402
-from django.db.models import Max, Min  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
 from kombu.exceptions import OperationalError as KombuOperationalError  # noqa: E402
 
@@ -131,7 +130,7 @@ def tree_cpu_seconds(pid: int) -> float:
 @dataclass(frozen=True)
 class Trial:
     rates: dict[str, float]  # tasks per second, by variant
-    cpu_ms: float  # the worker's CPU time per task, both variants together
+    cpu_ms: float  # the worker's CPU time per task, every task of the trial (untimed ones included)
 
 
 # The order of a trial's timed blocks, "a" being the variant that goes first: each variant holds every
@@ -140,7 +139,9 @@ class Trial:
 ORDER = "abbabaab"
 
 
-def run_trial(worker: Worker, kind: str, size: int, first: str, tasks: dict[tuple[str, str], str] = TASKS) -> Trial:
+def run_trial(
+    worker: Worker, kind: str, size: int, first: str, tasks: dict[tuple[str, str], str] = TASKS
+) -> Trial:
     """Queue ``size`` tasks of each variant in blocks (``ORDER``, ``first`` as "a") between untimed lead-in
     and lead-out tasks, let the worker drain them, and time each variant's blocks.
 
@@ -299,7 +300,7 @@ def main() -> None:
     parser.add_argument(
         "--control",
         action="store_true",
-        help="an A/A run: the plain set on both sides, to see what the design reads when there is no difference",
+        help="an A/A run: the plain set on both sides, what the design reads with nothing to find",
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
