@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import redis
-from kombu.utils.json import dumps, object_hook
+from kombu.utils.json import JSONEncoder, object_hook
 
 from celery_orphans.reconcile import SAFE_CONTENT_TYPES
 from celery_orphans.store import Keys
@@ -232,7 +232,7 @@ class Entry:
         # vars() rather than asdict(): asdict deep-copies the headers, and this runs before every task.
         data = {**vars(self), "delivery": vars(self.delivery)}
         del data["token"]
-        return str(dumps(data))
+        return _ENCODER.encode(data)
 
     @classmethod
     def from_json(cls, raw: str | bytes, token: str) -> Entry:
@@ -266,6 +266,7 @@ class Entry:
 # kombu's types in the headers (a datetime, say) come back as they went in, so the message is sent again
 # unchanged; one decoder for every entry, where kombu's loads() builds one per call.
 _DECODER = json.JSONDecoder(object_hook=object_hook)
+_ENCODER = JSONEncoder()  # kombu's, as its dumps() would build for every call
 _ENTRY_KEYS = frozenset({"task_id", "task_name", "node", "boot", "recorded_at", "delivery", "version"})
 _DELIVERY_KEYS = frozenset(f.name for f in fields(Delivery))
 # The properties delivery_from_message keeps, and the types the broker accepts for them.

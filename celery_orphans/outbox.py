@@ -83,7 +83,8 @@ class Outbox:
                 self._lost(line)
                 raise
             line.owed.append((entry, releases))
-        self._wake.set()
+        if not self._wake.is_set():  # set until the thread wakes: once per flush, not once per task
+            self._wake.set()
 
     def release(self, ledger: Ledger, task_id: str, token: str) -> None:
         """Queue the removal of ``task_id``'s entry if it still carries ``token``."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import uuid
 from typing import Any
 
 import redis
@@ -27,8 +26,8 @@ from celery_orphans.store import Keys, client
 logger = logging.getLogger(__name__)
 
 
-def ledger() -> Ledger:
-    return _ledger(client(), Keys.current())
+def ledger(keys: Keys | None = None) -> Ledger:
+    return _ledger(client(), keys or Keys.current())
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,9 +71,10 @@ class RecoverableRequestMixin:
             # Without a lease nothing could ever prove this worker dead, and without acks_late the
             # broker has already forgotten the message: there is nothing sound to record.
             return True
-        token = uuid.uuid4().hex
+        token = beat.token()
         entry = entry_for(req, beat, token)
-        self._orphans_ledger = current = ledger()
+        # The ledger lives where this boot's lease does: the key prefix was read when the lease began.
+        self._orphans_ledger = current = ledger(beat.keys)
         if redelivery.first_hand(req) and self._orphans_send(current, entry):
             return True
         releases = outbox.take(current)  # finished tasks' entries, removed by the same call

@@ -104,6 +104,13 @@ def test_each_boot_gets_an_id_of_its_own(beat: MakeBeat, node: str) -> None:
     assert beat(node, boot="given").boot == "given"
 
 
+def test_entry_tokens_never_repeat_within_a_boot_or_across_boots(beat: MakeBeat, node: str) -> None:
+    first, second = beat(node), beat(node)
+    tokens = [first.token() for _ in range(1000)] + [second.token() for _ in range(1000)]
+    assert len(set(tokens)) == 2000
+    assert all(t.startswith(f"{first.boot}.") for t in tokens[:1000])
+
+
 def test_fresh_boots_reports_every_live_boot_under_each_node(
     beat: MakeBeat, redis_client: redis.Redis, node: str
 ) -> None:
