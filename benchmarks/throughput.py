@@ -15,7 +15,7 @@ up across a trial (linearly, or even quadratically) weighs on both alike, and pu
 with the worker for the CPU. Each figure is the median of ``--trials`` trials; ``--control`` runs the
 plain set on both sides (an A/A run), to show what the design reads when there is nothing to find.
 
-    python benchmarks/throughput.py --trials 9
+    python benchmarks/throughput.py --trials 15
     python benchmarks/throughput.py --quick
     python benchmarks/throughput.py --control
 """
@@ -288,7 +288,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="CI size: 2 trials of about 1 s each")
-    parser.add_argument("--trials", type=int, default=None, help="trials per task (default 9)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per task (default 15)")
     parser.add_argument(
         "--seconds", type=float, default=None, help="seconds of each variant's tasks per trial (default 2)"
     )
@@ -304,7 +304,7 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
-    trials = args.trials or (2 if args.quick else 9)
+    trials = args.trials or (2 if args.quick else 15)
     seconds = args.seconds or (1.0 if args.quick else 2.0)
 
     call_command("migrate", verbosity=0)
