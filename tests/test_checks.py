@@ -20,6 +20,7 @@ from pytest_django import Settings
 from testproject.celery import app
 
 from celery_orphans import checks, recoverable
+from tests.celery_conf import patch_setting
 
 SetConf = Callable[..., None]
 MakeTask = Callable[..., "Task[Any, Any]"]
@@ -49,7 +50,7 @@ def celery_conf(monkeypatch: pytest.MonkeyPatch) -> SetConf:
 
     def set_conf(**values: Any) -> None:
         for key, value in values.items():
-            monkeypatch.setitem(app.conf, key, value)
+            patch_setting(monkeypatch, app.conf, key, value)
 
     return set_conf
 

@@ -12,6 +12,7 @@ from testproject.celery import app
 
 from celery_orphans import conf
 from celery_orphans.conf import Setting, settings
+from tests.celery_conf import patch_setting
 
 SetBroker = Callable[[Any], None]
 
@@ -29,7 +30,7 @@ def clean(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
 @pytest.fixture
 def set_broker(monkeypatch: pytest.MonkeyPatch) -> SetBroker:
     monkeypatch.delenv("CELERY_BROKER_URL", raising=False)  # Celery's conf would prefer it
-    return lambda url: monkeypatch.setitem(app.conf, "broker_url", url)
+    return lambda url: patch_setting(monkeypatch, app.conf, "broker_url", url)
 
 
 def test_every_setting_is_listed_with_its_prefixed_name() -> None:

@@ -15,6 +15,7 @@ from django.core.checks.registry import registry as check_registry
 from django.test import override_settings
 
 from celery_orphans.conf import Setting, Settings
+from tests.celery_conf import patch_setting
 from tests.workers import ROOT
 
 DOCS = ROOT / "docs"
@@ -94,8 +95,8 @@ def ids_in_checks_module() -> set[str]:
 def ids_reported_by_bad_configurations(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     from testproject.celery import app
 
-    monkeypatch.setitem(app.conf, "task_track_started", False)
-    monkeypatch.setitem(app.conf, "result_backend", "rpc://")
+    patch_setting(monkeypatch, app.conf, "task_track_started", False)
+    patch_setting(monkeypatch, app.conf, "result_backend", "rpc://")
     found: set[str] = set()
     bad = [
         {"CELERY_ORPHANS_MAX_ATTEMPTS": "many"},

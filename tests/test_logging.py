@@ -26,6 +26,7 @@ from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action
 from tests import factories
+from tests.celery_conf import patch_setting, set_setting
 from tests.conftest import _database_url
 from tests.workers import ROOT, wait_for
 
@@ -166,7 +167,7 @@ def celery_app_with_broker(url: str) -> Celery:
     """The test project's configuration, with ``url`` as the broker."""
     app = Celery("password-test", set_as_current=False)
     app.config_from_object("django.conf:settings", namespace="CELERY")
-    app.conf.broker_url = url
+    set_setting(app.conf, "broker_url", url)
     return app
 
 
@@ -278,7 +279,7 @@ def test_the_result_backend_check_prints_no_password(monkeypatch, capsys):
     from django.core.management.base import SystemCheckError
     from testproject.celery import app
 
-    monkeypatch.setitem(app.conf, "result_backend", f"redis://:{PASSWORD}@127.0.0.1:6379/1")
+    patch_setting(monkeypatch, app.conf, "result_backend", f"redis://:{PASSWORD}@127.0.0.1:6379/1")
     with pytest.raises(SystemCheckError) as raised:
         call_command("check", tags=["celery_orphans"])
 
