@@ -137,6 +137,7 @@ class Trial:
 # position equally often, and a drift of the machine's speed that is linear (or quadratic) across the
 # trial weighs on both variants alike.
 ORDER = "abbabaab"
+BLOCKS_PER_SET = ORDER.count("a")
 
 
 def run_trial(
@@ -151,7 +152,7 @@ def run_trial(
     """
     second = next(v for v in VARIANTS if v != first)
     variants = {"a": first, "b": second}
-    per_block = size // ORDER.count("a")
+    per_block = size // BLOCKS_PER_SET
     lead = max(10, per_block // 4)
     blocks = [("plain", lead)] + [(variants[c], per_block) for c in ORDER] + [("plain", lead)]
     queue = f"bench.run.{uuid.uuid4().hex[:8]}"
@@ -182,7 +183,7 @@ def run_trial(
         seconds = dict.fromkeys(VARIANTS, 0.0)
         for n in range(1, len(blocks) - 1):
             seconds[blocks[n][0]] += (ends[n] - ends[n - 1]).total_seconds()
-        timed = per_block * ORDER.count("a")
+        timed = per_block * BLOCKS_PER_SET
         return Trial({v: timed / seconds[v] for v in VARIANTS}, 1000 * cpu / total)
     finally:
         if worker.is_running():
