@@ -266,7 +266,9 @@ class Entry:
 # kombu's types in the headers (a datetime, say) come back as they went in, so the message is sent again
 # unchanged; one decoder for every entry, where kombu's loads() builds one per call.
 _DECODER = json.JSONDecoder(object_hook=object_hook)
-_ENCODER = JSONEncoder()  # kombu's, as its dumps() would build for every call
+# kombu's, as its dumps() would build for every call. A decoded message cannot hold a cycle: no need to
+# look for one on the path of every task.
+_ENCODER = JSONEncoder(check_circular=False)
 _ENTRY_KEYS = frozenset({"task_id", "task_name", "node", "boot", "recorded_at", "delivery", "version"})
 _DELIVERY_KEYS = frozenset(f.name for f in fields(Delivery))
 # The properties delivery_from_message keeps, and the types the broker accepts for them.
@@ -445,7 +447,7 @@ class Ledger:
         ``admission(entry.task_id, conn.read_response())`` reads later, in the order sent. The script
         must be loaded (``load_scripts``); Redis answers ``NoScriptError`` if it was not."""
         keys, args = self._admit_call(entry, releases, 0, 0)
-        conn.send_command("EVALSHA", _ADMIT_SHA, len(keys), *keys, *args)
+        conn.send_command(b"EVALSHA", _ADMIT_SHA, len(keys), *keys, *args)
 
     def load_scripts(self) -> None:
         """Load the admit script into Redis, for ``send_admit``."""

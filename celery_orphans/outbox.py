@@ -64,7 +64,9 @@ class Outbox:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pid = 0
+        # Neither threads nor connections survive a fork: a child that inherited this object starts
+        # its own, and leaves its parent's sockets alone.
+        os.register_at_fork(after_in_child=self._forget_parent)
 
     def admit(self, ledger: Ledger, entry: Entry) -> None:
         """Write ``entry``, carrying the queued removals, without waiting for Redis's answer.
@@ -186,15 +188,17 @@ class Outbox:
         _check(entry, answer)
 
     def _ensure_process(self) -> None:
-        # Neither threads nor connections survive a fork: a process that inherited this object starts
-        # its own, and leaves its parent's sockets alone.
-        if self._pid == os.getpid() and self._thread is not None and self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             return
-        if self._pid != os.getpid():
-            self._lines = {}
-            self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="celery-orphans-outbox", daemon=True)
         self._thread.start()
+
+    def _forget_parent(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+        self._wake = threading.Event()
+        self._thread = None
+        self._lines = {}
+        self._pending = {}
 
     def _run(self) -> None:
         while True:

@@ -36,6 +36,12 @@ def _ledger(conn: redis.Redis[bytes], keys: Keys) -> Ledger:
     return Ledger(conn, keys)
 
 
+@functools.lru_cache(maxsize=4)
+def boot_ledger(beat: leases.Heartbeat) -> Ledger:
+    """The ledger of one worker boot: where its lease lives, found once rather than for every task."""
+    return ledger(beat.keys)
+
+
 def entry_for(request: Any, beat: leases.Heartbeat, token: str) -> Entry:
     """The ledger entry of a request this worker boot is about to run (or ran)."""
     return Entry(
@@ -74,7 +80,7 @@ class RecoverableRequestMixin:
         token = beat.token()
         entry = entry_for(req, beat, token)
         # The ledger lives where this boot's lease does: the key prefix was read when the lease began.
-        self._orphans_ledger = current = ledger(beat.keys)
+        self._orphans_ledger = current = boot_ledger(beat)
         if redelivery.first_hand(req) and self._orphans_send(current, entry):
             return True
         releases = outbox.take(current)  # finished tasks' entries, removed by the same call

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -13,6 +14,7 @@ from celery_orphans.ledger import Entry, Ledger
 from celery_orphans.outbox import Outbox
 from celery_orphans.store import Keys, client
 from tests.test_ledger import entry
+from tests.test_leases import exit_code_of
 from tests.workers import wait_for
 
 
@@ -178,3 +180,29 @@ def test_answers_are_read_by_the_thread_without_another_write(
     with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
         outbox.admit(ledger, entry("twice"))
         wait_for(lambda: "was the same task id sent twice?" in caplog.text, 5, "the answer to be read")
+
+
+def test_a_forked_child_writes_on_its_own_connection_even_if_the_fork_caught_the_lock_held(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    outbox = Outbox(delay=60)
+    parent, child = entry("parent", token="p"), entry("child", token="c")
+    outbox.admit(ledger, parent)  # the parent's connection and thread exist
+    parent_conn = outbox._lines[ledger].conn
+    outbox._lock.acquire()  # as if the parent's thread were flushing when the worker forked
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                outbox.admit(ledger, child)
+                outbox.settle()
+                code = 0 if outbox._lines[ledger].conn is not parent_conn else 2
+            finally:
+                os._exit(code)
+    finally:
+        outbox._lock.release()
+
+    assert exit_code_of(pid) == 0
+    outbox.settle()
+    assert ledger.load(["parent", "child"]) == {"parent": parent, "child": child}
