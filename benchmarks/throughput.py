@@ -6,14 +6,17 @@ sent before each task runs, its answer read later, which also carries the remova
 acknowledged since). The worker's lease heartbeat (one Redis write every 2 s) runs throughout, for both
 sets.
 
-A trial queues both sets' tasks in one queue, in eight blocks in the order ``abbabaab`` (which set is
-"a" alternates from trial to trial), between a few untimed plain tasks before and after, then tells the
-worker to consume that queue. A block ends with its last task's ``date_done`` and begins with the
-previous block's end; the untimed tasks keep both pool processes busy from the first timed block to the
-last. Each set holds every position in the order equally often, so a machine that slows down or speeds
-up across a trial (linearly, or even quadratically) weighs on both alike, and publishing never competes
-with the worker for the CPU. Each figure is the median of ``--trials`` trials; ``--control`` runs the
-plain set on both sides (an A/A run), to show what the design reads when there is nothing to find.
+A trial queues both sets' tasks in one queue, in 32 blocks in the Thue-Morse order ``abbabaabbaab...``
+(which set is "a" alternates from trial to trial), between a few untimed plain tasks before and after,
+then tells the worker to consume that queue. Each task returns the pid of the pool process that ran it,
+and each pool process's time from the end of one task to the end of its next (``date_done``, as the
+worker recorded it) is charged to that next task's set: the wait for the main process to fetch, admit
+and hand over the task is in it, and nothing falls between two sets. A set's rate is its tasks over the
+time charged to it, times the number of pool processes. Each set holds every position in the order
+equally often, and the sets change every few tasks, so a machine that slows down or speeds up across a
+trial weighs on both alike, and publishing never competes with the worker for the CPU. Each figure is
+the median of ``--trials`` trials; ``--control`` runs the plain set on both sides (an A/A run), to show
+what the design reads when there is nothing to find.
 
     python benchmarks/throughput.py --trials 15
     python benchmarks/throughput.py --quick
@@ -46,6 +49,7 @@ from django.core.management import call_command  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
 from kombu.exceptions import OperationalError as KombuOperationalError  # noqa: E402
 
+from benchmarks.interleave import charged_rates, thue_morse  # noqa: E402
 from celery_orphans.store import Keys, client  # noqa: E402
 from tests.workers import Worker, wait_for  # noqa: E402
 
@@ -134,9 +138,9 @@ class Trial:
 
 
 # The order of a trial's timed blocks, "a" being the variant that goes first: each variant holds every
-# position equally often, and a drift of the machine's speed that is linear (or quadratic) across the
-# trial weighs on both variants alike.
-ORDER = "abbabaab"
+# position equally often, and a drift of the machine's speed across the trial (linear, quadratic, or of
+# higher degree) weighs on both variants alike.
+ORDER = thue_morse(32)
 BLOCKS_PER_SET = ORDER.count("a")
 
 
@@ -144,16 +148,15 @@ def run_trial(
     worker: Worker, kind: str, size: int, first: str, tasks: dict[tuple[str, str], str] = TASKS
 ) -> Trial:
     """Queue ``size`` tasks of each variant in blocks (``ORDER``, ``first`` as "a") between untimed lead-in
-    and lead-out tasks, let the worker drain them, and time each variant's blocks.
+    and lead-out tasks, let the worker drain them, and rate each variant (``charged_rates``).
 
-    A block ends with its last task's finish and begins with the previous block's end, as the worker
-    recorded them; the lead-in and lead-out keep both pool processes busy throughout every timed block, so
-    no block pays for the worker starting or running down.
+    The lead-in and lead-out keep both pool processes busy throughout every timed block, so no block
+    pays for the worker starting or running down.
     """
     second = next(v for v in VARIANTS if v != first)
     variants = {"a": first, "b": second}
-    per_block = size // BLOCKS_PER_SET
-    lead = max(10, per_block // 4)
+    per_block = max(1, size // BLOCKS_PER_SET)
+    lead = max(10, 2 * per_block)
     blocks = [("plain", lead)] + [(variants[c], per_block) for c in ORDER] + [("plain", lead)]
     queue = f"bench.run.{uuid.uuid4().hex[:8]}"
     prefix = f"tp-{queue}-"
@@ -176,15 +179,12 @@ def run_trial(
         app.control.add_consumer(queue, destination=[NODE], reply=True, timeout=5)
         wait_for(drained, 600, f"{total} {kind} tasks", interval=0.25)
         cpu = tree_cpu_seconds(worker.pid) - cpu
-        ends: dict[int, Any] = {}
-        for task_id, done in runs.values_list("task_id", "date_done"):
-            n = int(task_id.removeprefix(prefix).split("-", 1)[0])
-            ends[n] = max(ends.get(n, done), done)
-        seconds = dict.fromkeys(VARIANTS, 0.0)
-        for n in range(1, len(blocks) - 1):
-            seconds[blocks[n][0]] += (ends[n] - ends[n - 1]).total_seconds()
-        timed = per_block * BLOCKS_PER_SET
-        return Trial({v: timed / seconds[v] for v in VARIANTS}, 1000 * cpu / total)
+        finished = [
+            (int(task_id.removeprefix(prefix).split("-", 1)[0]), done, pid)
+            for task_id, done, pid in runs.values_list("task_id", "date_done", "result")
+        ]
+        timed = {n: variant for n, (variant, _) in enumerate(blocks) if 0 < n < len(blocks) - 1}
+        return Trial(charged_rates(finished, timed), 1000 * cpu / total)
     finally:
         if worker.is_running():
             app.control.cancel_consumer(queue, destination=[NODE], reply=True, timeout=5)

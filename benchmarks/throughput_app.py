@@ -37,12 +37,14 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 SLEEP_SECONDS = 0.01
 
 
-def _noop() -> None:
-    return None
+# Each returns the pid of the pool process that ran it, so the benchmark can tell the two apart.
+def _noop() -> int:
+    return os.getpid()
 
 
-def _sleep() -> None:
+def _sleep() -> int:
     time.sleep(SLEEP_SECONDS)
+    return os.getpid()
 
 
 plain_noop = app.task(name="bench.plain.noop")(_noop)

@@ -93,7 +93,8 @@ class Outbox:
         with self._lock:
             self._ensure_process()
             self._pending.setdefault(ledger, []).append((task_id, token))
-        self._wake.set()
+        if not self._wake.is_set():
+            self._wake.set()
 
     def take(self, ledger: Ledger) -> list[tuple[str, str]]:
         """The removals queued for ``ledger``, for a ledger write to carry; they are no longer queued.

@@ -13,8 +13,8 @@ import redis
 from celery_orphans.ledger import Entry, Ledger
 from celery_orphans.outbox import Outbox
 from celery_orphans.store import Keys, client
-from tests.test_ledger import entry
 from tests.test_leases import exit_code_of
+from tests.test_ledger import entry
 from tests.workers import wait_for
 
 
