@@ -142,7 +142,7 @@ def throughput_rows(data: dict[str, Any]) -> list[Row]:
                 f"P4 {kind} tasks/s",
                 "info",
                 f"plain {r['plain']:.0f}, ours {r['ours']:.0f} ({r['batch']} of each per trial, "
-                f"{len(r['plain_runs'])} trials, paired {r['paired_ratio_median']:.1%}, "
+                f"{len(r['plain_runs'])} trials, ratio of the medians {r['ratio_of_medians']:.1%}, "
                 f"worker CPU {r['cpu_ms_per_task']:.2f} ms/task)",
                 "info",
             )
