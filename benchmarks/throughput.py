@@ -350,14 +350,17 @@ def main() -> None:
             "benchmark": f"P4 throughput, {kind}",
             "target": f">= {TARGET:.0%} of plain",
             "measured": f"{results[kind]['ratio']:.1%}",
-            "pass": results[kind]["ratio"] >= TARGET,
+            # Two trials cannot judge a margin of three points when one trial's ratio varies by two or
+            # three: at --quick size the figure is printed, not judged.
+            "pass": None if args.quick else results[kind]["ratio"] >= TARGET,
         }
         for kind in KINDS
     ]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     for c in results["checks"]:
-        log(f"{c['benchmark']:<28}{c['target']:<18}{c['measured']:<10}{'PASS' if c['pass'] else 'FAIL'}")
+        verdict = "n/a" if c["pass"] is None else "PASS" if c["pass"] else "FAIL"
+        log(f"{c['benchmark']:<28}{c['target']:<18}{c['measured']:<10}{verdict}")
 
 
 if __name__ == "__main__":
