@@ -79,7 +79,8 @@ class RecoverableRequestMixin:
             return True
         token = beat.token()
         entry = entry_for(req, beat, token)
-        # The ledger lives where this boot's lease does: the key prefix was read when the lease began.
+        # The ledger lives where this boot's lease does (its key prefix was read when the lease began),
+        # found once per boot.
         self._orphans_ledger = current = boot_ledger(beat)
         if redelivery.first_hand(req) and self._orphans_send(current, entry):
             return True
