@@ -40,7 +40,7 @@ from testproject.celery import app  # noqa: E402
 from celery_orphans.conf import settings  # noqa: E402
 from celery_orphans.models import OrphanEvent  # noqa: E402
 from celery_orphans.store import client  # noqa: E402
-from tests.workers import PROJECT, WorkerPool, wait_for  # noqa: E402
+from tests.workers import PROJECT, Worker, WorkerPool, wait_for  # noqa: E402
 
 DEFAULT_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true"}
 
@@ -55,6 +55,31 @@ def wait_started(task_id: str, worker: str) -> None:
         30,
         f"{task_id} to start on {worker}",
     )
+
+
+def wait_rerun(task_id: str, timeout: float, watched: Worker) -> None:
+    """Wait for the re-run of ``task_id`` to start; if it never does, show what ``watched`` was doing."""
+    try:
+        wait_for(lambda: len(starts(task_id)) >= 2, timeout, "the re-run to start")
+    except AssertionError:
+        print(f"  no re-run of {task_id}; the stacks of {watched.name}'s processes:", flush=True)
+        print(stacks(watched.pid), flush=True)
+        raise
+
+
+def stacks(pid: int) -> str:
+    """``py-spy dump`` of a worker's main process and its pool processes (py-spy: the bench extra)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return f"  (no {spy}: pip install -e '.[bench]' to see them)"
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids.extend(int(child) for child in (task / "children").read_text().split())
+    dumps = []
+    for each in pids:
+        done = subprocess.run([spy, "dump", "--pid", str(each)], capture_output=True, text=True, timeout=60)
+        dumps.append(done.stdout or done.stderr)
+    return "\n".join(dumps)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -82,7 +107,7 @@ def same_name(pool: WorkerPool, trials: int) -> list[float]:
         worker.kill()
         killed = time.time()
         worker = pool.start("p1@bench", env=DEFAULT_ON)
-        wait_for(lambda r=result: len(starts(r.id)) >= 2, 60, "the re-run to start")
+        wait_rerun(result.id, 60, worker)
         times.append(starts(result.id)[1] - killed)
         app.control.revoke(result.id, terminate=True)
         print(f"  P1 trial {i + 1}: {times[-1]:.2f}s", flush=True)
@@ -92,7 +117,7 @@ def same_name(pool: WorkerPool, trials: int) -> list[float]:
 
 def never_back(pool: WorkerPool, trials: int) -> list[float]:
     survivor = "p2-survivor@bench"
-    pool.start(survivor, queues=("celery",), concurrency=2, env=DEFAULT_ON)
+    surviving = pool.start(survivor, queues=("celery",), concurrency=2, env=DEFAULT_ON)
     times = []
     for i in range(trials):
         name = f"p2-victim-{i}@bench"
@@ -103,7 +128,7 @@ def never_back(pool: WorkerPool, trials: int) -> list[float]:
         time.sleep(0.5)
         victim.kill()
         killed = time.time()
-        wait_for(lambda r=result: len(starts(r.id)) >= 2, 120, "the re-run to start")
+        wait_rerun(result.id, 120, surviving)
         times.append(starts(result.id)[1] - killed)
         event = OrphanEvent.objects.filter(task_id=result.id).first()
         if event is not None:

@@ -282,8 +282,9 @@ def ensure_setup() -> None:
     found = subprocess.run(
         ["bash", "-c", 'source tests/setup-env.sh && setup_env >&2 && printf %s "$VENV"'],
         cwd=ROOT,
-        # The install the docs recommend for workers: with redis-py's C parser, for both task sets.
-        env={"EXTRAS": "test,hiredis", **os.environ},
+        # The install the docs recommend for workers: with redis-py's C parser, for both task sets; and
+        # py-spy, for the stacks recovery_time.py shows when a re-run never comes.
+        env={"EXTRAS": "bench", **os.environ},
         stdout=subprocess.PIPE,
         text=True,
     )
