@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -64,9 +65,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        # Neither threads nor connections survive a fork: a child that inherited this object starts
-        # its own, and leaves its parent's sockets alone.
-        os.register_at_fork(after_in_child=self._forget_parent)
+        _outboxes.add(self)
 
     def admit(self, ledger: Ledger, entry: Entry) -> None:
         """Write ``entry``, carrying the queued removals, without waiting for Redis's answer.
@@ -208,6 +207,19 @@ class Outbox:
             # Whatever the next task's ledger write has not carried by then.
             time.sleep(self.delay)
             self.flush()
+
+
+# Neither threads nor connections survive a fork: a child that inherited an outbox starts its own, and
+# leaves its parent's sockets alone.
+_outboxes: weakref.WeakSet[Outbox] = weakref.WeakSet()
+
+
+def _forget_parents() -> None:
+    for each in list(_outboxes):
+        each._forget_parent()
+
+
+os.register_at_fork(after_in_child=_forget_parents)
 
 
 def _not_recorded(entry: Entry, exc: Exception) -> None:
