@@ -40,7 +40,7 @@ from testproject.celery import app  # noqa: E402
 from celery_orphans.conf import settings  # noqa: E402
 from celery_orphans.models import OrphanEvent  # noqa: E402
 from celery_orphans.store import client  # noqa: E402
-from tests.workers import PROJECT, Worker, WorkerPool, wait_for  # noqa: E402
+from tests.workers import PROJECT, Worker, WorkerPool, process_tree, wait_for  # noqa: E402
 
 DEFAULT_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true"}
 
@@ -72,11 +72,8 @@ def stacks(pid: int) -> str:
     spy = Path(sys.executable).with_name("py-spy")
     if not spy.exists():
         return f"  (no {spy}: pip install -e '.[bench]' to see them)"
-    pids = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        pids.extend(int(child) for child in (task / "children").read_text().split())
     dumps = []
-    for each in pids:
+    for each in process_tree(pid):
         done = subprocess.run([spy, "dump", "--pid", str(each)], capture_output=True, text=True, timeout=60)
         dumps.append(done.stdout or done.stderr)
     return "\n".join(dumps)

@@ -52,7 +52,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError  # noqa: 
 
 from benchmarks.interleave import charged_rates, thue_morse  # noqa: E402
 from celery_orphans.store import Keys, client  # noqa: E402
-from tests.workers import Worker, wait_for  # noqa: E402
+from tests.workers import Worker, process_tree, wait_for  # noqa: E402
 
 NODE = "throughput@bench"
 VARIANTS = ("plain", "ours")
@@ -119,16 +119,12 @@ class WorkerGone(Exception):
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process and its descendants (the pool children), from /proc."""
     total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
+    for each in process_tree(pid):
         try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending.extend(int(c) for c in (task / "children").read_text().split())
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
     return total
 
 

@@ -447,6 +447,7 @@ class Ledger:
         ``admission(entry.task_id, conn.read_response())`` reads later, in the order sent. The script
         must be loaded (``load_scripts``); Redis answers ``NoScriptError`` if it was not."""
         keys, args = self._admit_call(entry, releases, 0, 0)
+        # bytes: redis-py re-encodes and splits a str command name on every call.
         conn.send_command(b"EVALSHA", _ADMIT_SHA, len(keys), *keys, *args)
 
     def load_scripts(self) -> None:

@@ -74,7 +74,7 @@ class Outbox:
         removals stay queued.
         """
         with self._lock:
-            self._ensure_process()
+            self._ensure_thread()
             line = self._line(ledger)
             releases = self._pending.pop(ledger, [])
             try:
@@ -84,16 +84,14 @@ class Outbox:
                 self._lost(line)
                 raise
             line.owed.append((entry, releases))
-        if not self._wake.is_set():  # set until the thread wakes: once per flush, not once per task
-            self._wake.set()
+        self._nudge()
 
     def release(self, ledger: Ledger, task_id: str, token: str) -> None:
         """Queue the removal of ``task_id``'s entry if it still carries ``token``."""
         with self._lock:
-            self._ensure_process()
+            self._ensure_thread()
             self._pending.setdefault(ledger, []).append((task_id, token))
-        if not self._wake.is_set():
-            self._wake.set()
+        self._nudge()
 
     def take(self, ledger: Ledger) -> list[tuple[str, str]]:
         """The removals queued for ``ledger``, for a ledger write to carry; they are no longer queued.
@@ -109,7 +107,7 @@ class Outbox:
         if releases:
             with self._lock:
                 self._pending.setdefault(ledger, [])[:0] = releases
-            self._wake.set()
+            self._nudge()
 
     def settle(self) -> None:
         """Wait for the answer to every entry sent, so each is in Redis (or its failure logged)."""
@@ -187,7 +185,12 @@ class Outbox:
             return
         _check(entry, answer)
 
-    def _ensure_process(self) -> None:
+    def _nudge(self) -> None:
+        # The event stays set until the thread wakes: the thread is woken once per flush, not per task.
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
         self._thread = threading.Thread(target=self._run, name="celery-orphans-outbox", daemon=True)

@@ -30,6 +30,20 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a worker's pool processes), from /proc; gone processes are skipped."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending.extend(int(child) for child in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        found.append(current)
+    return found
+
+
 @dataclass
 class Worker:
     """One worker process: its node name, log file and Popen handle."""
