@@ -1,11 +1,14 @@
-"""How the throughput benchmark (P4) interleaves two sets of tasks in one queue, and rates each set.
+"""Where the benchmarks place their trials.
 
-Pure functions, kept apart from the benchmark's worker and database so they can be tested alone.
+How the throughput benchmark (P4) interleaves two sets of tasks in one queue and rates each set, and
+when the recovery benchmark (P2) kills its workers. Pure functions, kept apart from the benchmarks'
+workers and databases so they can be tested alone.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 
@@ -51,3 +54,16 @@ def charged_rates(
     if missing:
         raise ValueError(f"no time was charged to {', '.join(missing)}: too few tasks, or one pool process")
     return {s: len(by_process) * counts[s] / seconds[s] for s in sets}
+
+
+def spread(n: int, interval: float, rng: random.Random) -> list[float]:
+    """``n`` moments of ``interval``, one at random in each n-th of it, in a random order.
+
+    Fewer draws than plain uniform ones cover the whole interval: eight kills spread this way meet
+    every part of a sweep interval, where eight uniform draws often leave a quarter of it out.
+    """
+    if n < 1 or interval <= 0:
+        raise ValueError(f"cannot spread {n} moments over {interval} s")
+    slots = list(range(n))
+    rng.shuffle(slots)
+    return [(slot + rng.random()) * interval / n for slot in slots]

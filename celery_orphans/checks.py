@@ -237,6 +237,21 @@ def _lease_errors(lease: float, heartbeat: float) -> list[checks.CheckMessage]:
     ]
 
 
+def _stall_errors(stall: float, inspect_timeout: float) -> list[checks.CheckMessage]:
+    """E009: a sweep waits out the broadcast's replies inside its transaction, which must not be ended."""
+    if stall > inspect_timeout:
+        return []
+    return [
+        _message(
+            "E009",
+            f"CELERY_ORPHANS_SWEEP_STALL_SECONDS ({stall:g}) is not above "
+            f"CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS ({inspect_timeout:g}): a sweep waits for the workers' "
+            "replies inside its transaction, which PostgreSQL would end whenever a worker is silent.",
+            "Keep CELERY_ORPHANS_SWEEP_STALL_SECONDS well above the inspect timeout (60 by default).",
+        )
+    ]
+
+
 def _window_warnings(window: float, visibility: float | None) -> list[checks.CheckMessage]:
     """W002: the fence against a stale copy must outlive the broker's restore of that copy."""
     if visibility is None or window >= visibility:
@@ -253,7 +268,7 @@ def _window_warnings(window: float, visibility: float | None) -> list[checks.Che
 
 
 def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
-    """E006, E007, E008 and W002: the ``CELERY_ORPHANS_*`` settings."""
+    """E006, E007, E008, E009 and W002: the ``CELERY_ORPHANS_*`` settings."""
     bad = _setting_errors()
     found = list(bad.values())
     # The checks below read settings again: skip those whose inputs were just reported.
@@ -261,6 +276,8 @@ def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
         found += _redis_url_errors()
     if not bad.keys() & {"LEASE_SECONDS", "HEARTBEAT_SECONDS"}:
         found += _lease_errors(settings.LEASE_SECONDS, settings.HEARTBEAT_SECONDS)
+    if not bad.keys() & {"SWEEP_STALL_SECONDS", "INSPECT_TIMEOUT_SECONDS"}:
+        found += _stall_errors(settings.SWEEP_STALL_SECONDS, settings.INSPECT_TIMEOUT_SECONDS)
     if "ATTEMPTS_WINDOW_SECONDS" not in bad:
         found += _window_warnings(settings.ATTEMPTS_WINDOW_SECONDS, _visibility_timeout(current_app.conf))
     return found

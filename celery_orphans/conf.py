@@ -182,6 +182,13 @@ class Settings:
         "How long each worker has, from the moment the sweep's one query_task broadcast is sent, to "
         "answer it; the wait ends sooner once every worker asked has answered.",
     )
+    SWEEP_STALL_SECONDS = Setting(
+        "SWEEP_STALL_SECONDS",
+        positive_float,
+        60.0,
+        "On PostgreSQL, how long a sweep may wait for a row lock, or leave its transaction idle, before "
+        "PostgreSQL gives up the wait or ends the transaction and with it the sweep lock.",
+    )
     BOOT_SWEEP = Setting(
         "BOOT_SWEEP",
         _bool,

@@ -1,8 +1,10 @@
 """One sweep at a time across every replica.
 
 On PostgreSQL the lock is a transaction-level advisory lock: it works behind PgBouncer in transaction
-pooling and is released when the transaction ends, even if the process holding it dies. Elsewhere it is
-a Redis lock with an expiry.
+pooling and is released when the transaction ends, even if the process holding it dies. A sweep that
+hangs while alive is bounded too: its transaction, when it is the sweep's own, gives up a wait for a row
+lock, and is ended by PostgreSQL once left idle, after ``SWEEP_STALL_SECONDS``. Elsewhere the lock is a
+Redis lock with an expiry.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from django.db import DatabaseError, connections, transaction
 from redis.exceptions import LockError
 
+from celery_orphans.conf import settings
 from celery_orphans.exceptions import SweepLocked
 from celery_orphans.store import Keys, client
 
@@ -29,11 +32,21 @@ def uses_advisory_lock(using: str = "default") -> bool:
 @contextlib.contextmanager
 def sweep_lock(using: str = "default") -> Iterator[None]:
     """Hold the sweep lock for the block, inside one database transaction; raise ``SweepLocked`` if busy."""
+    own_transaction = not connections[using].in_atomic_block
     with transaction.atomic(using=using):
         if uses_advisory_lock(using):
             with connections[using].cursor() as cursor:
-                cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ADVISORY_LOCK_ID])
-                (acquired,) = cursor.fetchone()
+                if own_transaction:
+                    # SET LOCAL, in the same round trip: a caller's own transaction keeps its settings.
+                    stall = str(max(1, round(settings.SWEEP_STALL_SECONDS * 1000)))  # ms; 0 is off
+                    cursor.execute(
+                        "SELECT pg_try_advisory_xact_lock(%s), set_config('lock_timeout', %s, true),"
+                        " set_config('idle_in_transaction_session_timeout', %s, true)",
+                        [ADVISORY_LOCK_ID, stall, stall],
+                    )
+                else:
+                    cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ADVISORY_LOCK_ID])
+                acquired = cursor.fetchone()[0]
             if not acquired:
                 raise SweepLocked("another reconcile sweep holds the lock")
             yield

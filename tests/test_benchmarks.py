@@ -1,12 +1,13 @@
-"""The throughput benchmark's interleaving and rating (benchmarks/interleave.py): pure, no services."""
+"""Where the benchmarks place their trials (benchmarks/interleave.py): pure, no services."""
 
 from __future__ import annotations
 
+import random
 from datetime import datetime, timedelta
 
 import pytest
 
-from benchmarks.interleave import charged_rates, thue_morse
+from benchmarks.interleave import charged_rates, spread, thue_morse
 
 T0 = datetime(2026, 1, 1)
 
@@ -55,3 +56,17 @@ def test_a_first_task_of_a_process_and_untimed_blocks_are_charged_to_no_set() ->
 def test_a_set_that_was_charged_nothing_is_an_error_not_a_zero_division() -> None:
     with pytest.raises(ValueError, match="no time was charged to ours"):
         charged_rates(finishes("p1", (0, 0.0), (1, 0.1)), {1: "plain", 2: "ours"})
+
+
+def test_spread_puts_one_moment_in_each_nth_of_the_interval_in_a_seeded_random_order() -> None:
+    moments = spread(8, 5.0, random.Random(1))
+
+    assert sorted(int(m // (5.0 / 8)) for m in moments) == list(range(8))
+    assert moments != sorted(moments)
+    assert moments == spread(8, 5.0, random.Random(1))
+
+
+@pytest.mark.parametrize(("n", "interval"), [(0, 5.0), (3, 0.0)])
+def test_spread_refuses_nothing_to_spread(n: int, interval: float) -> None:
+    with pytest.raises(ValueError, match="cannot spread"):
+        spread(n, interval, random.Random(1))

@@ -316,6 +316,19 @@ def test_e008_quiet_at_exactly_three_heartbeats(settings: Settings) -> None:
     assert run() == []
 
 
+def test_e009_stall_timeout_not_above_the_inspect_timeout(settings: Settings) -> None:
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 2
+    settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 2
+    message = only(run(), "celery_orphans.E009")
+    assert "replies inside its transaction" in message.msg
+
+
+def test_e009_quiet_above_the_inspect_timeout(settings: Settings) -> None:
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 2.5
+    settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 2
+    assert run() == []
+
+
 def test_w002_attempts_window_shorter_than_the_visibility_timeout(
     settings: Settings, celery_conf: SetConf
 ) -> None:

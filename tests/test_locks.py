@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from django.db import connection, transaction
+from django.db import DatabaseError, OperationalError, connection, transaction
 
 from celery_orphans import locks
 from celery_orphans.exceptions import SweepLocked
@@ -198,6 +198,94 @@ def test_lock_becomes_free_when_the_process_holding_it_is_killed():
             holder.wait(timeout=10)
         if holder.stdout is not None:
             holder.stdout.close()
+
+
+def show(name: str) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SHOW {name}")
+        return str(cursor.fetchone()[0])
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_sweeps_own_transaction_bounds_its_waits_and_leaves_the_session_as_it_was(settings):
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 1.5
+
+    with sweep_lock():
+        assert show("lock_timeout") == "1500ms"
+        assert show("idle_in_transaction_session_timeout") == "1500ms"
+
+    assert show("lock_timeout") == "0"
+    assert show("idle_in_transaction_session_timeout") == "0"
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_callers_transaction_keeps_its_own_timeouts(settings):
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 1.5
+
+    with transaction.atomic(), sweep_lock():
+        assert show("lock_timeout") == "0"
+        assert show("idle_in_transaction_session_timeout") == "0"
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_sweep_that_hangs_inside_its_transaction_loses_the_lock_to_the_next(settings):
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 0.5
+    errors: list[BaseException] = []
+    holding, release = threading.Event(), threading.Event()
+
+    def hang() -> None:
+        try:
+            with sweep_lock():
+                holding.set()
+                release.wait(timeout=30)  # stuck on something outside the database
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=hang)
+    thread.start()
+    try:
+        assert holding.wait(timeout=10)
+        assert not lock_is_free_elsewhere()
+        wait_for(lock_is_free_elsewhere, 20, "PostgreSQL to end the hung sweep's transaction", interval=0.2)
+    finally:
+        release.set()
+        thread.join(timeout=10)
+
+    # When it wakes, the hung sweep learns that nothing it did was kept.
+    assert len(errors) == 1 and isinstance(errors[0], DatabaseError), errors
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_sweep_gives_up_a_row_lock_another_transaction_keeps(settings):
+    from django_celery_results.models import TaskResult
+
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 0.5
+    row = TaskResult.objects.create(task_id="held-row", status="STARTED")
+    locked, release = threading.Event(), threading.Event()
+
+    def keep_row_locked() -> None:
+        with transaction.atomic():
+            TaskResult.objects.select_for_update().get(pk=row.pk)
+            locked.set()
+            release.wait(timeout=30)
+
+    thread = threading.Thread(target=lambda: (keep_row_locked(), connection.close()))
+    thread.start()
+    try:
+        assert locked.wait(timeout=10)
+        with pytest.raises(OperationalError, match="lock timeout"), sweep_lock():
+            TaskResult.objects.filter(pk=row.pk).update(status="FAILURE")
+    finally:
+        release.set()
+        thread.join(timeout=10)
+
+    assert lock_is_free_elsewhere()
 
 
 @pytest.fixture
