@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -14,6 +15,17 @@ from celery_orphans.conf import settings
 
 _clients: dict[str, redis.Redis[bytes]] = {}
 _clients_lock = threading.Lock()
+
+
+def _forget_parents_lock() -> None:
+    # A worker's heartbeat thread asks for its client every beat: a pool process forked at that moment
+    # would wait for ever on a lock no thread of its own holds. The clients stay: redis-py opens new
+    # connections in a child.
+    global _clients_lock
+    _clients_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parents_lock)
 
 
 def client() -> redis.Redis[bytes]:

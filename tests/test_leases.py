@@ -192,6 +192,22 @@ def test_stop_without_start_drops_a_lease_written_by_renew(
     assert boots_of(redis_client, node) == set()
 
 
+def test_a_forked_child_gets_its_client_even_if_the_fork_caught_the_heartbeat_getting_one() -> None:
+    store._clients_lock.acquire()  # as if the heartbeat's thread were in client() when the worker forked
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = 0 if store.client().ping() else 2
+            finally:
+                os._exit(code)
+    finally:
+        store._clients_lock.release()
+
+    assert exit_code_of(pid) == 0
+
+
 def test_a_lapsed_boot_does_not_stay_listed_under_its_node(
     beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
