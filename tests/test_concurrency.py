@@ -212,6 +212,7 @@ def test_lock_held_by_a_sweep_process_that_is_killed_mid_sweep_is_released(
         "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
         "DATABASE_URL": _database_url(),
         "CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS": "60",
+        "CELERY_ORPHANS_SWEEP_STALL_SECONDS": "120",  # above the wait, or the check E009 refuses it
     }
     holder = subprocess.Popen(
         [sys.executable, "testproject/manage.py", "reconcile_orphan_tasks"],
