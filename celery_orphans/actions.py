@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from celery import Celery
 from django.db import DatabaseError, transaction
+from kombu import Connection
 from kombu.exceptions import KombuError, OperationalError
 
 from celery_orphans import audit, broker, leases, metrics, rows, signals
@@ -50,6 +51,12 @@ class Executor:
         self._checkpoints = CheckpointStore(ledger.client, ledger.keys)
         # Claims (recover, complete) whose transaction has not committed yet, by task id: their entry token.
         self._unsettled: dict[str, str] = {}
+        # The broker connection of the executor's own, opened at the first dead delivery to remove (one per
+        # action cost more than the rest of the action), and the unacked tags, read at the first task
+        # without one.
+        self._broker: Connection | None = None
+        self._unacked: dict[str, list[str]] | None = None
+        self._revoked: list[str] = []  # marked terminal and committed: revoked together once done
 
     def carry_out(self, outcome: Outcome, candidate: Candidate, entry: Entry | None) -> Outcome:
         decision = outcome.decision
@@ -172,7 +179,7 @@ class Executor:
         )
         self._mark_sent_quietly(decision.task_id, entry.token)
         if entry.delivery.delivery_tag:
-            broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag)
+            broker.discard_unacked(self._transport(), [entry.delivery.delivery_tag])
         # Only once the row's move to RETRY is committed: should this process die before that, the
         # entry lets the next sweep find the task again instead of judging it by a STARTED row alone.
         transaction.on_commit(lambda: self._settle(decision.task_id, entry.token))
@@ -237,11 +244,37 @@ class Executor:
             decision.task_id
         ):
             raise Moved
-        broker.discard_unacked(self.app, decision.task_id, entry.delivery.delivery_tag if entry else None)
-        # After commit, so no worker reads a half-written state when it handles the revoke.
-        transaction.on_commit(lambda: _revoke_quietly(self.app, decision.task_id))
+        broker.discard_unacked(self._transport(), self._dead_deliveries(decision.task_id, entry))
+        # After commit, so no worker reads a half-written state when it handles the revoke (see close()).
+        transaction.on_commit(lambda: self._revoked.append(decision.task_id))
         # The task never runs again: nothing will resume from its checkpoint.
         transaction.on_commit(lambda: self._forget_checkpoint_quietly(decision.task_id))
+
+    def _dead_deliveries(self, task_id: str, entry: Entry | None) -> list[str]:
+        """The tags of the task's deliveries the transport still holds as unacknowledged."""
+        if entry is not None and entry.delivery.delivery_tag:
+            return [entry.delivery.delivery_tag]
+        if self._unacked is None:
+            # A task without an entry was delivered before the sweep began: one scan finds every such tag.
+            self._unacked = broker.unacked_tags(self._transport())
+        return self._unacked.get(task_id, [])
+
+    def _transport(self) -> Connection:
+        if self._broker is None:
+            self._broker = self.app.connection_for_write()
+        return self._broker
+
+    def close(self) -> None:
+        """Revoke the tasks marked terminal, in one broadcast, and close the executor's broker connection.
+
+        Called once the sweep's transaction has ended: only marks it committed are revoked.
+        """
+        revoked, self._revoked = self._revoked, []
+        if revoked:
+            _revoke_quietly(self.app, revoked)
+        if self._broker is not None:
+            self._broker.release()
+            self._broker = None
 
     def _forget_checkpoint_quietly(self, task_id: str) -> None:
         try:
@@ -251,11 +284,17 @@ class Executor:
             logger.warning("celery-orphans: could not remove the checkpoint of %s: %s", task_id, exc)
 
 
-def _revoke_quietly(app: Celery, task_id: str) -> None:
+def _revoke_quietly(app: Celery, task_ids: list[str]) -> None:
     try:
-        broker.revoke(app, task_id)
+        broker.revoke(app, task_ids)
     except (KombuError, OperationalError, OSError) as exc:
-        logger.warning("celery-orphans: could not broadcast a revoke of %s: %s", task_id, exc)
+        # Their fences are terminal: a copy that reaches a worker is dropped there all the same.
+        logger.warning(
+            "celery-orphans: could not broadcast a revoke of %d tasks (%s): %s",
+            len(task_ids),
+            ", ".join(task_ids[:5]),
+            exc,
+        )
 
 
 def describe(outcome: Outcome) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from typing import Any
 
 from celery import Celery
+from kombu import Connection
 
 from celery_orphans.ledger import HEADER, Entry
 from celery_orphans.reconcile import SAFE_CONTENT_TYPES
@@ -42,40 +44,47 @@ def publish(app: Celery, entry: Entry, recovery: dict[str, Any]) -> None:
         )
 
 
-def discard_unacked(app: Celery, task_id: str, delivery_tag: str | None) -> bool:
-    """Remove a dead delivery of ``task_id`` from the Redis transport's ``unacked`` hash.
+def unacked_tags(conn: Connection) -> dict[str, list[str]]:
+    """The delivery tags in the Redis transport's ``unacked`` hash, by task id; empty on other transports.
 
-    Left there, the transport would restore it once ``visibility_timeout`` passes. Returns whether
-    anything was removed; on other transports there is nothing to do.
+    One scan of the hash, for every task a sweep finds without a ledger entry (which would name its tag).
     """
-    with app.connection_for_write() as conn:
-        channel: Any = conn.default_channel
-        unacked_key = getattr(channel, "unacked_key", None)
-        redis_client = getattr(channel, "client", None)
-        if unacked_key is None or redis_client is None:
-            return False
-        tags = [delivery_tag] if delivery_tag else _tags_of(redis_client, unacked_key, task_id)
-        removed = 0
-        for tag in tags:
-            pipe = redis_client.pipeline()
-            pipe.zrem(channel.unacked_index_key, tag).hdel(unacked_key, tag)
-            removed += int(pipe.execute()[1])
-        return removed > 0
-
-
-def _tags_of(redis_client: Any, unacked_key: str, task_id: str) -> list[str]:
-    tags = []
-    for tag, payload in redis_client.hscan_iter(unacked_key):
+    found: dict[str, list[str]] = {}
+    channel: Any = conn.default_channel
+    if getattr(channel, "unacked_key", None) is None:
+        return found
+    for tag, payload in channel.client.hscan_iter(channel.unacked_key, count=1000):
         try:
-            message = json.loads(payload)[0]
-            found = message.get("headers", {}).get("id")
-        except (ValueError, TypeError, IndexError, AttributeError):
+            task_id = json.loads(payload)[0]["headers"]["id"]
+        except (ValueError, TypeError, LookupError):
             continue
-        if found == task_id:
-            tags.append(tag.decode() if isinstance(tag, bytes) else str(tag))
-    return tags
+        if isinstance(task_id, str):
+            found.setdefault(task_id, []).append(tag.decode() if isinstance(tag, bytes) else str(tag))
+    return found
 
 
-def revoke(app: Celery, task_id: str) -> None:
-    """Tell every worker to discard any copy of a task that must never run again."""
-    app.control.revoke(task_id)
+def discard_unacked(conn: Connection, tags: Collection[str]) -> int:
+    """Remove dead deliveries from the Redis transport's ``unacked`` hash; how many were there.
+
+    Left there, the transport would restore them once ``visibility_timeout`` passes. On other transports
+    there is nothing to do. ``conn`` is a connection of the caller's own, never one of the app's pool:
+    the transport's channel there may be waiting on a ``BRPOP`` of its own client.
+    """
+    if not tags:
+        return 0
+    channel: Any = conn.default_channel
+    if getattr(channel, "unacked_key", None) is None:
+        return 0
+    pipe = channel.client.pipeline()
+    pipe.zrem(channel.unacked_index_key, *tags).hdel(channel.unacked_key, *tags)
+    return int(pipe.execute()[1])
+
+
+# Ids per revoke broadcast: every worker reads each one whole.
+REVOKE_CHUNK = 1000
+
+
+def revoke(app: Celery, task_ids: list[str]) -> None:
+    """Tell every worker to discard any copy of these tasks, which must never run again."""
+    for start in range(0, len(task_ids), REVOKE_CHUNK):
+        app.control.revoke(task_ids[start : start + REVOKE_CHUNK])

@@ -109,4 +109,7 @@ def act(
     from celery_orphans.sweep import Options, Outcome
 
     executor = actions.Executor(request.task.app, ledger(), Options(trigger=Trigger.WORKER), timezone.now())
-    return executor.carry_out(Outcome(decision, request.name, lost_on or beat.node), candidate, entry)
+    try:
+        return executor.carry_out(Outcome(decision, request.name, lost_on or beat.node), candidate, entry)
+    finally:
+        executor.close()

@@ -111,6 +111,7 @@ def run(options: Options, app: Celery | None = None) -> Report:
         finally:
             for executor in executors:
                 executor.lift_unsettled()  # only if the transaction did not commit
+                executor.close()
     report.duration = time.monotonic() - started
     metrics.swept(report.duration)
     (logger.info if report.outcomes else logger.debug)("celery-orphans: %s", report.summary())

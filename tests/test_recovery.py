@@ -174,16 +174,31 @@ def test_chord_whose_member_was_orphaned_completes(workers):
     assert starts(result.id) == 1
 
 
-def test_non_recoverable_orphan_ends_failure_with_task_orphaned_and_never_runs_again(workers):
+def unacked_deliveries_of(redis_client, task_id: str) -> list[bytes]:
+    """The tags the Redis transport holds unacknowledged for ``task_id`` (and restores after a while)."""
+    return [
+        tag
+        for tag, payload in redis_client.hgetall("unacked").items()
+        if json.loads(payload)[0]["headers"]["id"] == task_id
+    ]
+
+
+def test_non_recoverable_orphan_ends_failure_with_task_orphaned_and_never_runs_again(
+    workers, redis_client, celery_app
+):
     from demoapp.tasks import scan
 
-    worker = workers.start("scan@test")
+    worker = workers.start("scan@test", concurrency=2)
     result = scan.delay("db-1", seconds=5)
+    other = scan.delay("db-2", seconds=5)  # delivered to the same worker: one unacked hash, two tags
     started_on(result.id, "scan@test")
+    started_on(other.id, "scan@test")
+    [tag] = unacked_deliveries_of(redis_client, result.id)
     worker.kill()
     workers.start("scan@test")
 
-    outcome = outcome_of(sweep_now(), result.id)
+    report = sweep_now()
+    outcome = outcome_of(report, result.id)
 
     assert (outcome.decision.action, outcome.decision.reason.value) == (
         Action.MARK_TERMINAL,
@@ -193,6 +208,15 @@ def test_non_recoverable_orphan_ends_failure_with_task_orphaned_and_never_runs_a
     with pytest.raises(TaskOrphaned, match="scan@test"):
         result.get(timeout=5)
     assert starts(result.id) == 1
+    # Without a ledger entry to name its tag, the dead delivery is found in the transport's hash and
+    # removed, so the transport never restores it; the other orphan's goes with its own action.
+    assert not redis_client.hexists("unacked", tag)
+    assert unacked_deliveries_of(redis_client, result.id) == []
+    assert outcome_of(report, other.id).done
+    assert unacked_deliveries_of(redis_client, other.id) == []
+    # And every worker is told to discard any copy of either.
+    revoked = celery_app.control.inspect(destination=["scan@test"], timeout=5).revoked() or {}
+    assert {result.id, other.id} <= set(revoked.get("scan@test", []))
 
 
 def test_poison_task_is_recovered_exactly_max_attempts_times_then_ends_recovery_limit_reached(workers):
