@@ -200,10 +200,14 @@ def test_lock_becomes_free_when_the_process_holding_it_is_killed():
             holder.stdout.close()
 
 
-def show(name: str) -> str:
+def timeouts() -> tuple[str, str]:
+    """This session's ``lock_timeout`` and ``idle_in_transaction_session_timeout``."""
     with connection.cursor() as cursor:
-        cursor.execute(f"SHOW {name}")
-        return str(cursor.fetchone()[0])
+        cursor.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout')"
+        )
+        lock, idle = cursor.fetchone()
+    return str(lock), str(idle)
 
 
 @postgres_only
@@ -212,11 +216,9 @@ def test_a_sweeps_own_transaction_bounds_its_waits_and_leaves_the_session_as_it_
     settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 1.5
 
     with sweep_lock():
-        assert show("lock_timeout") == "1500ms"
-        assert show("idle_in_transaction_session_timeout") == "1500ms"
+        assert timeouts() == ("1500ms", "1500ms")
 
-    assert show("lock_timeout") == "0"
-    assert show("idle_in_transaction_session_timeout") == "0"
+    assert timeouts() == ("0", "0")
 
 
 @postgres_only
@@ -225,8 +227,7 @@ def test_a_callers_transaction_keeps_its_own_timeouts(settings):
     settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 1.5
 
     with transaction.atomic(), sweep_lock():
-        assert show("lock_timeout") == "0"
-        assert show("idle_in_transaction_session_timeout") == "0"
+        assert timeouts() == ("0", "0")
 
 
 @postgres_only
