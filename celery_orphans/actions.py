@@ -9,6 +9,7 @@ task again is removed only after the message is out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -272,9 +273,11 @@ class Executor:
         revoked, self._revoked = self._revoked, []
         if revoked:
             _revoke_quietly(self.app, revoked)
-        if self._broker is not None:
-            self._broker.release()
-            self._broker = None
+        conn, self._broker = self._broker, None
+        if conn is not None:
+            # A broken connection must not hide the sweep's outcome, or its own error.
+            with contextlib.suppress(*conn.connection_errors, *conn.channel_errors, OSError):
+                conn.release()
 
     def _forget_checkpoint_quietly(self, task_id: str) -> None:
         try:
