@@ -670,9 +670,10 @@ def main() -> None:
             build_started(args.real_rows, live, dead)
             fleet.settle()
             timed = ours(dry_run=False)
-            # Each terminal mark ends with a revoke broadcast, and each live worker reads the state of
-            # every revoked id from the result backend. Wait for that before the rows go (a worker
-            # handling a revoke would re-create a missing row as REVOKED), and time it.
+            # The sweep ends with a revoke broadcast of every task it marked terminal, and each live
+            # worker reads the state of every revoked id from the result backend. Wait for that before
+            # the rows go (a worker handling a revoke would re-create a missing row as REVOKED), and
+            # time it.
             began = time.monotonic()
             fleet.settle()
             return timed, time.monotonic() - began
