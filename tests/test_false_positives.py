@@ -126,7 +126,7 @@ def test_worker_whose_broker_connections_are_cut_and_restored_is_not_recovered(w
 
 @pytest.mark.xfail(
     strict=False,
-    reason="In two of five full runs of the suite (Python 3.11 and 3.12, Celery 5.7) the worker, started "
+    reason="In two of seven full runs of the suite (Python 3.11 and 3.12, Celery 5.7) the worker, started "
     "moments before and holding its task, never answered the sweep's query_task, within 1 s and within 5 s "
     "alike, so it was judged dead (no_reply_lease_lapsed) and its task recovered while it ran. Alone, and "
     "with its file, it passes every time; the cause is not known.",
