@@ -1,15 +1,13 @@
 """The demo: a worker is SIGKILLed mid-task, and its tasks are found and recovered, step by step.
 
-Run it with ``bash testproject/demo.sh`` (which sets up a virtualenv first). It uses SQLite unless
-DATABASE_URL is set, the local Redis when one answers, else a private redis-server it starts and stops.
+Run it with ``bash testproject/demo.sh`` (which sets up a virtualenv first). It starts a Redis server of
+its own and uses a new SQLite database in .demo/ (see ``configure``).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,56 +24,25 @@ def say(message: str) -> None:
     print(f"[{time.monotonic() - T0:6.2f}s] {message}", flush=True)
 
 
-def redis_answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_private_redis() -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("No Redis answers on 127.0.0.1:6379 and redis-server is not installed.")
-    port = free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while not redis_answers(port):
-        if time.monotonic() > deadline:
-            sys.exit("The private redis-server did not start.")
-        time.sleep(0.05)
-    return process, f"redis://127.0.0.1:{port}/0"
-
-
-def configure() -> subprocess.Popen[bytes] | None:
+def configure() -> None:
+    """Services of the demo's own: a Redis server it starts (stopped when it exits) and a new SQLite
+    database in .demo/, unless DEMO_REDIS_URL (a Redis database the demo empties) or DEMO_DATABASE_URL
+    name others."""
     STATE.mkdir(exist_ok=True)
-    private = None
-    if "REDIS_URL" not in os.environ:
-        if redis_answers(6379):
-            os.environ["REDIS_URL"] = "redis://127.0.0.1:6379/12"
-        else:
-            private, os.environ["REDIS_URL"] = start_private_redis()
-    if "DATABASE_URL" not in os.environ:
+    sys.path[:0] = [str(ROOT), str(PROJECT)]
+    from tests.services import own_redis
+
+    os.environ["REDIS_URL"] = os.environ.get("DEMO_REDIS_URL") or own_redis().url()
+    os.environ.pop("CELERY_BROKER_URL", None)  # the broker is that Redis too
+    if os.environ.get("DEMO_DATABASE_URL"):
+        os.environ["DATABASE_URL"] = os.environ["DEMO_DATABASE_URL"]
+    else:
         db = STATE / "demo.sqlite3"
         db.unlink(missing_ok=True)
         os.environ["DATABASE_URL"] = f"sqlite:///{db}"
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
+    os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
     os.environ["CELERY_ORPHANS_ENABLED"] = "true"
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(PROJECT)])
-    sys.path[:0] = [str(ROOT), str(PROJECT)]
-    return private
 
 
 def start_worker(log: Path) -> subprocess.Popen[bytes]:
@@ -111,7 +78,7 @@ def start_worker(log: Path) -> subprocess.Popen[bytes]:
 
 
 def main() -> None:
-    private_redis = configure()
+    configure()
     import django
 
     django.setup()
@@ -132,8 +99,9 @@ def main() -> None:
         database = os.environ["DATABASE_URL"].split("://")[0]
         say(f"database {database}, redis {os.environ['REDIS_URL'].rsplit('@')[-1]}")
         call_command("migrate", verbosity=0)
-        client().flushdb()
-        say("migrated; Redis database emptied")
+        if os.environ.get("DEMO_REDIS_URL"):
+            client().flushdb()  # given to the demo to empty
+        say("migrated")
 
         log = STATE / "worker.log"
         log.write_text("celery-orphans-demo-start\n")
@@ -198,9 +166,6 @@ def main() -> None:
                 worker.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)
-        if private_redis is not None:
-            private_redis.terminate()
-            private_redis.wait()
 
 
 # -- Last step: a long task resumes from its checkpoint ----------------------------------------------

@@ -5,15 +5,19 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
+from kombu import Connection, Exchange, Queue, pools
 
+from tests.services import Vhost
 from tests.workers import WorkerPool, wait_for
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The suite owns one test database and one Redis database: two runs on one machine take turns.
+    # The suite's database and RabbitMQ vhost have fixed names (tests/services.py): two runs on one
+    # machine take turns.
     path = os.path.join(tempfile.gettempdir(), "celery-orphans-tests.lock")
     handle = open(path, "w")  # noqa: SIM115 - held open for the whole run
     fcntl.flock(handle, fcntl.LOCK_EX)
@@ -25,6 +29,7 @@ _LOCK = pytest.StashKey[object]()
 
 @pytest.fixture
 def redis_client() -> Iterator[object]:
+    """A client of the run's own Redis (tests/services.py), emptied for the test."""
     import redis
     from django.conf import settings
 
@@ -32,6 +37,70 @@ def redis_client() -> Iterator[object]:
     client.flushdb()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> Iterator[str]:
+    """The run's RabbitMQ vhost (see tests/services.py), made at the first test that needs it."""
+    given = os.environ.get("TEST_AMQP_URL")
+    if given:
+        yield given
+        return
+    vhost = Vhost().create()
+    yield vhost.url()
+    vhost.delete()
+
+
+RABBITMQ_QUEUES = ("celery", "rmq-solo")
+
+
+def _reset_pools(app: Any) -> None:
+    """Close every pooled broker connection and forget the pools, so the next use opens a new one.
+
+    The app caches its connection pool (``app._pool``) and producer pool (``app.amqp._producer_pool``);
+    both come from kombu's process-wide registries, keyed by connection URL, where a closed pool would
+    be handed out again for the same URL: those are emptied too.
+    """
+    app.pool.force_close_all()
+    pools.reset()
+    app._pool = None
+    app.amqp._producer_pool = None
+
+
+def purge(url: str, *names: str) -> None:
+    """Empty the queues (declaring them if needed): a queue on RabbitMQ outlives a test."""
+    with Connection(url) as conn:
+        channel = conn.default_channel
+        for name in names:
+            queue = Queue(name, Exchange(name), name, channel=channel)
+            queue.declare()
+            queue.purge()
+
+
+@pytest.fixture
+def amqp_broker(celery_app: Any, amqp_url: str) -> Iterator[str]:
+    """Point this process's Celery app at the run's RabbitMQ vhost for the test; put the previous broker
+    back after."""
+    with Connection(amqp_url, connect_timeout=5) as conn:
+        conn.ensure_connection(max_retries=1)  # RabbitMQ must be up: start it with rabbitmq-server -detached
+    previous_env = os.environ.get("CELERY_BROKER_URL")
+    previous_conf = celery_app.conf.broker_url
+    _reset_pools(celery_app)
+    # Celery's conf reads the environment variable first, then the setting.
+    os.environ["CELERY_BROKER_URL"] = amqp_url
+    celery_app.conf.broker_url = amqp_url
+    purge(amqp_url, *RABBITMQ_QUEUES)
+    try:
+        assert celery_app.connection_for_write().transport.driver_type == "amqp"
+        yield amqp_url
+    finally:
+        _reset_pools(celery_app)
+        celery_app.conf.broker_url = previous_conf
+        if previous_env is None:
+            os.environ.pop("CELERY_BROKER_URL", None)
+        else:
+            os.environ["CELERY_BROKER_URL"] = previous_env
+        purge(amqp_url, *RABBITMQ_QUEUES)
 
 
 @pytest.fixture

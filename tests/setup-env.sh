@@ -6,9 +6,10 @@
 #     celery-orphans installed in editable mode with the extras named in $EXTRAS (default: test; CI uses
 #     EXTRAS=test,docs,prometheus). It is created afresh when missing or broken, and reinstalled only when
 #     pyproject.toml is newer than the stamp file in it or $EXTRAS differs from the extras it records;
-#   - PostgreSQL (127.0.0.1:5432), Redis (127.0.0.1:6379) and RabbitMQ (127.0.0.1:5672) answer, starting
-#     whichever does not and waiting (bounded) until it does;
-#   - the PostgreSQL database `test` exists.
+#   - PostgreSQL (127.0.0.1:5432) and RabbitMQ (127.0.0.1:5672) answer, starting whichever does not and
+#     waiting (bounded) until it does, and redis-server is installed. The tests and the demo run a Redis
+#     server of their own and use a database and a RabbitMQ vhost of their own on those servers
+#     (tests/services.py); a server named by TEST_DATABASE_URL or TEST_AMQP_URL is not checked here.
 # Afterwards $VENV/bin is first on PATH. Every step prints one short line.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,24 +66,10 @@ tcp_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
 
 postgresql_up() { pg_isready -q -h 127.0.0.1 -p 5432; }
 
-redis_up() {
-    if command -v redis-cli >/dev/null 2>&1; then
-        [ "$(redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null)" = "PONG" ]
-    else
-        tcp_open 127.0.0.1 6379
-    fi
-}
-
 rabbitmq_up() { tcp_open 127.0.0.1 5672; }
 
 start_postgresql() {
     pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start
-}
-
-start_redis() {
-    mkdir -p /var/lib/redis /var/log/redis
-    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
-        --dir /var/lib/redis --logfile /var/log/redis/ci.log
 }
 
 start_rabbitmq() { rabbitmq-server -detached; }
@@ -101,23 +88,10 @@ ensure_service() {
     say "$name: up after $((SECONDS - started))s"
 }
 
-ensure_test_database() {
-    local found
-    found="$(psql -h 127.0.0.1 -U postgres -d postgres -Atc "SELECT 1 FROM pg_database WHERE datname = 'test'" 2>&1)" \
-        || die "cannot query PostgreSQL: $found"
-    if [ "$found" = "1" ]; then
-        say "postgresql: database test exists"
-    else
-        say "postgresql: creating database test"
-        createdb -h 127.0.0.1 -U postgres test || die "createdb test failed"
-    fi
-}
-
 ensure_services() {
-    ensure_service postgresql
-    ensure_service redis
-    ensure_service rabbitmq
-    ensure_test_database
+    command -v redis-server >/dev/null 2>&1 || die "redis-server is not installed (apt install redis-server)"
+    [ -n "${TEST_DATABASE_URL:-}" ] || ensure_service postgresql
+    [ -n "${TEST_AMQP_URL:-}" ] || ensure_service rabbitmq
 }
 
 setup_env() {

@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_rabbitmq import AMQP_URL, amqp_broker  # noqa: F401 - a fixture used by name below
-
 pytestmark = pytest.mark.worker
 
 
@@ -46,10 +44,9 @@ def test_chaos_on_redis_every_task_finishes_exactly_once(
     assert_every_task_ran_to_completion_exactly_once(result)
 
 
-@pytest.mark.usefixtures("amqp_broker")
 def test_chaos_on_rabbitmq_every_task_finishes_exactly_once(
-    workers: Any, redis_client: Any, tmp_path: Path
+    workers: Any, redis_client: Any, tmp_path: Path, amqp_broker: str
 ) -> None:
-    result = chaos_run({**workers.env, "CELERY_BROKER_URL": AMQP_URL}, tmp_path)
+    result = chaos_run({**workers.env, "CELERY_BROKER_URL": amqp_broker}, tmp_path)
 
     assert_every_task_ran_to_completion_exactly_once(result)

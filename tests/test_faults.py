@@ -1,6 +1,6 @@
 """Redis, PostgreSQL and the broker failing in the middle of a sweep, and workers outliving a Redis restart.
 
-The ledger lives in a Redis server of the test's own (the machine's is shared and never stopped), with an
+The ledger lives in a Redis server of the test's own (the run's own is never stopped), with an
 append-only file, so it can be SIGKILLed and started again without losing what it held. PostgreSQL is
 shared too: its fault is the sweep's own connection being terminated by the server. A broker fault is an
 injected ``kombu.exceptions.OperationalError`` from the producer.
@@ -42,7 +42,7 @@ from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
 from tests import factories
 from tests.conftest import _database_url
-from tests.test_security import PrivateRedis
+from tests.services import RedisServer
 from tests.workers import ROOT, wait_for
 
 QUEUE = "celery"
@@ -51,18 +51,16 @@ FAULTED = 3  # the fault strikes at the third orphan's recovery
 
 
 @pytest.fixture
-def ledger_redis(tmp_path: Path, settings: Any) -> Iterator[PrivateRedis]:
+def ledger_redis(tmp_path: Path, settings: Any) -> Iterator[RedisServer]:
     """The ledger and leases in a persistent Redis of the test's own; results and runs stay in the suite's."""
-    server = PrivateRedis(tmp_path / "ledger", persistent=True)
-    server.directory.mkdir()
-    server.start()
+    server = RedisServer(tmp_path / "ledger", persistent=True).start()
     settings.CELERY_ORPHANS_REDIS_URL = server.url()
     settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 0.05  # the orphans' node never answers
     yield server
     server.stop()
 
 
-def ledger_env(tmp_path: Path, server: PrivateRedis) -> dict[str, str]:
+def ledger_env(tmp_path: Path, server: RedisServer) -> dict[str, str]:
     """Environment for a worker whose ledger is ``server`` (the test project's would use REDIS_URL)."""
     module = tmp_path / "ledger_settings.py"
     module.write_text(
@@ -107,7 +105,7 @@ class Fault:
     """One kind of failure, switched on at a chosen point of a sweep and cleared afterwards."""
 
     kind: str  # redis, postgres, broker
-    server: PrivateRedis
+    server: RedisServer
     broker_down: bool = False
     struck: list[str] = field(default_factory=list)
 
@@ -192,7 +190,7 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
     kind: str,
     point: str,
     workers: Any,
-    ledger_redis: PrivateRedis,
+    ledger_redis: RedisServer,
     redis_client: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -249,7 +247,7 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
 
 @pytest.mark.worker
 def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
-    workers: Any, ledger_redis: PrivateRedis, redis_client: Any, settings: Any, tmp_path: Path, monkeypatch
+    workers: Any, ledger_redis: RedisServer, redis_client: Any, settings: Any, tmp_path: Path, monkeypatch
 ) -> None:
     from demoapp.tasks import runs
 
@@ -306,7 +304,7 @@ def manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.django_db(transaction=True)
 def test_command_exits_non_zero_with_a_message_when_the_ledger_redis_is_down(
-    ledger_redis: PrivateRedis, redis_client: Any, celery_app: Any
+    ledger_redis: RedisServer, redis_client: Any, celery_app: Any
 ) -> None:
     factories.orphan()
     ledger_redis.stop()
@@ -322,7 +320,7 @@ def test_command_exits_non_zero_with_a_message_when_the_ledger_redis_is_down(
 
 @pytest.mark.django_db(transaction=True)
 def test_command_turns_a_broker_failure_into_a_command_error(
-    ledger_redis: PrivateRedis, redis_client: Any, monkeypatch: pytest.MonkeyPatch
+    ledger_redis: RedisServer, redis_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     factories.orphan()
     fault = Fault("broker", ledger_redis)
@@ -337,7 +335,7 @@ def test_command_turns_a_broker_failure_into_a_command_error(
 
 @pytest.mark.worker
 def test_workers_outlive_a_restart_of_the_ledger_redis_and_are_never_taken_for_dead(
-    workers: Any, ledger_redis: PrivateRedis, redis_client: Any, tmp_path: Path, settings: Any
+    workers: Any, ledger_redis: RedisServer, redis_client: Any, tmp_path: Path, settings: Any
 ) -> None:
     from demoapp.tasks import runs, summarize
 

@@ -6,16 +6,11 @@ import logging
 import os
 import re
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-import redis
 from celery import Celery
 from django.core.management import call_command
 from django.test import override_settings
@@ -28,6 +23,7 @@ from celery_orphans.reconcile import Action
 from tests import factories
 from tests.celery_conf import patch_setting, set_setting
 from tests.conftest import _database_url
+from tests.services import RedisServer, free_port
 from tests.workers import ROOT, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -111,56 +107,15 @@ def test_every_action_logs_one_line_with_the_task_id_name_worker_and_reason(redi
 PASSWORD = f"s3cret{secrets.token_hex(8)}"
 
 
-@dataclass(frozen=True)
-class PrivateRedis:
-    """A Redis server of this test's own that requires ``PASSWORD``."""
-
-    port: int
-
-    def url(self, password: str = PASSWORD, db: int = 0) -> str:
-        return f"redis://:{password}@127.0.0.1:{self.port}/{db}"
-
-    def client(self) -> redis.Redis[bytes]:
-        return redis.Redis.from_url(self.url())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _answers(server: PrivateRedis) -> bool:
-    try:
-        return bool(server.client().ping())
-    except redis.ConnectionError:
-        return False
-
-
 @pytest.fixture
-def private_redis(tmp_path) -> Iterator[tuple[PrivateRedis, subprocess.Popen[bytes]]]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not on PATH: the password tests run a Redis server of their own")
-    server = PrivateRedis(_free_port())
-    process = subprocess.Popen(
-        [
-            *(binary, "--port", str(server.port), "--bind", "127.0.0.1", "--requirepass", PASSWORD),
-            *("--save", "", "--appendonly", "no", "--dir", str(tmp_path)),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: _answers(server), 15, f"redis-server on port {server.port}")
-        yield server, process
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+def private_redis(tmp_path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path, password=PASSWORD).start()
+    yield server
+    server.stop()
 
 
 def unreachable_url() -> str:
-    return f"redis://:{PASSWORD}@127.0.0.1:{_free_port()}/0"
+    return f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"
 
 
 def celery_app_with_broker(url: str) -> Celery:
@@ -179,7 +134,7 @@ def assert_no_password(*outputs: str) -> None:
 def test_a_sweep_that_recovers_through_a_password_protected_redis_logs_no_password(
     redis_client, private_redis, caplog, capsys
 ):
-    server, _ = private_redis
+    server = private_redis
     app = celery_app_with_broker(server.url())
     with override_settings(CELERY_ORPHANS_REDIS_URL=server.url()):
         recovered = factories.orphan("demoapp.summarize")
@@ -198,7 +153,7 @@ def test_a_sweep_that_recovers_through_a_password_protected_redis_logs_no_passwo
 def test_a_sweep_that_cannot_reach_redis_logs_no_password(
     redis_client, private_redis, caplog, capsys, failure
 ):
-    server, _ = private_redis
+    server = private_redis
     redis_url = server.url(password=f"wrong{PASSWORD}") if failure == "wrong_password" else unreachable_url()
     app = celery_app_with_broker(redis_url)
     with (
@@ -232,7 +187,7 @@ def run_command(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_command_prints_no_password_when_it_recovers(redis_client, private_redis):
-    server, _ = private_redis
+    server = private_redis
     with override_settings(CELERY_ORPHANS_REDIS_URL=server.url()):
         task_id = factories.orphan("demoapp.summarize")
 
@@ -256,7 +211,7 @@ def test_the_command_prints_no_password_when_redis_is_unreachable(redis_client, 
 def test_a_workers_log_shows_no_password_while_redis_works_and_after_it_goes_away(
     workers, redis_client, private_redis
 ):
-    server, process = private_redis
+    server = private_redis
     env = {"REDIS_URL": server.url(), "CELERY_BROKER_URL": server.url(), "CELERY_ORPHANS_BOOT_SWEEP": "true"}
     worker = workers.start("secret@test", env=env)
     app = celery_app_with_broker(server.url())
@@ -264,8 +219,7 @@ def test_a_workers_log_shows_no_password_while_redis_works_and_after_it_goes_awa
     wait_for(lambda: f"Task demoapp.summarize[{task_id}] succeeded" in worker.log(), 30, "the task to run")
     app.close()
 
-    process.send_signal(signal.SIGKILL)  # Redis, broker and ledger both, goes away
-    process.wait(timeout=10)
+    server.stop()  # Redis, broker and ledger both, goes away
     wait_for(lambda: "cannot renew the lease of secret@test" in worker.log(), 30, "the heartbeat to fail")
     wait_for(lambda: "Cannot connect to redis://" in worker.log(), 30, "the consumer to reconnect")
     worker.kill()

@@ -5,21 +5,17 @@ broker puts its unacknowledged messages back in the queue at once. So after a SI
 orphan can meet a worker: RabbitMQ's redelivery of the original, and the copy a sweep sent. Whichever
 order they come in, the task must run to completion exactly once.
 
-The workers get the broker through ``CELERY_BROKER_URL``; this test process has already read its broker
-at settings import, so the ``amqp_broker`` fixture switches the Celery app's configuration and drops the
-connection and producer pools it cached, and restores both afterwards.
+The workers get the broker through ``CELERY_BROKER_URL``; this process switches to it through the
+``amqp_broker`` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from django_celery_results.models import TaskResult
-from kombu import Connection, Exchange, Queue, pools
 
 from celery_orphans import sweep
 from celery_orphans.ledger import Ledger
@@ -30,57 +26,10 @@ from tests.workers import wait_for
 
 pytestmark = pytest.mark.worker
 
-AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
-AMQP = {"CELERY_BROKER_URL": AMQP_URL}
-QUEUES = ("celery", "rmq-solo")
 
-
-def _reset_pools(app: Any) -> None:
-    """Close every pooled broker connection and forget the pools, so the next use opens a new one.
-
-    The app caches its connection pool (``app._pool``) and producer pool (``app.amqp._producer_pool``);
-    both come from kombu's process-wide registries, keyed by connection URL, where a closed pool would
-    be handed out again for the same URL: those are emptied too.
-    """
-    app.pool.force_close_all()
-    pools.reset()
-    app._pool = None
-    app.amqp._producer_pool = None
-
-
-def purge(*names: str) -> None:
-    """Empty the queues (declaring them if needed): a queue on RabbitMQ outlives a test run."""
-    with Connection(AMQP_URL) as conn:
-        channel = conn.default_channel
-        for name in names:
-            queue = Queue(name, Exchange(name), name, channel=channel)
-            queue.declare()
-            queue.purge()
-
-
-@pytest.fixture
-def amqp_broker(celery_app: Any) -> Iterator[str]:
-    """Point this process's Celery app at RabbitMQ for the test; put the previous broker back after."""
-    with Connection(AMQP_URL, connect_timeout=5) as conn:
-        conn.ensure_connection(max_retries=1)  # RabbitMQ must be up: start it with rabbitmq-server -detached
-    previous_env = os.environ.get("CELERY_BROKER_URL")
-    previous_conf = celery_app.conf.broker_url
-    _reset_pools(celery_app)
-    # Celery's conf reads the environment variable first, then the setting.
-    os.environ["CELERY_BROKER_URL"] = AMQP_URL
-    celery_app.conf.broker_url = AMQP_URL
-    purge(*QUEUES)
-    try:
-        assert celery_app.connection_for_write().transport.driver_type == "amqp"
-        yield AMQP_URL
-    finally:
-        _reset_pools(celery_app)
-        celery_app.conf.broker_url = previous_conf
-        if previous_env is None:
-            os.environ.pop("CELERY_BROKER_URL", None)
-        else:
-            os.environ["CELERY_BROKER_URL"] = previous_env
-        purge(*QUEUES)
+def on(amqp_url: str) -> dict[str, str]:
+    """A worker's environment for the broker at ``amqp_url``."""
+    return {"CELERY_BROKER_URL": amqp_url}
 
 
 def begun(task_id: str, timeout: float = 20) -> None:
@@ -124,11 +73,11 @@ def test_killed_worker_restarted_under_its_name_runs_the_task_again_with_the_sam
 ) -> None:
     from demoapp.tasks import summarize
 
-    worker = workers.start("rmq-same@test", env=AMQP)
+    worker = workers.start("rmq-same@test", env=on(amqp_broker))
     result = summarize.delay([1, 2, 3], seconds=4)
     begun(result.id)
     worker.kill()
-    restarted = workers.start("rmq-same@test", env=AMQP)
+    restarted = workers.start("rmq-same@test", env=on(amqp_broker))
 
     # RabbitMQ hands the restarted worker the original again; a sweep meanwhile must not add a run.
     for _ in range(3):
@@ -146,8 +95,8 @@ def test_worker_that_never_returns_is_recovered_onto_another_and_the_redelivered
 ) -> None:
     from demoapp.tasks import summarize
 
-    doomed = workers.start("rmq-doomed@test", env=AMQP, queues=("rmq-solo",))
-    workers.start("rmq-other@test", env=AMQP)
+    doomed = workers.start("rmq-doomed@test", env=on(amqp_broker), queues=("rmq-solo",))
+    workers.start("rmq-other@test", env=on(amqp_broker))
     result = summarize.apply_async(([4, 5],), {"seconds": 4}, queue="rmq-solo")
     begun(result.id)
     doomed.kill()
@@ -155,7 +104,7 @@ def test_worker_that_never_returns_is_recovered_onto_another_and_the_redelivered
     [outcome] = sweep_until_recovered({result.id}).values()
     assert outcome.decision.evidence is Evidence.NO_REPLY_LEASE_LAPSED
     # Both copies now wait in the queue: RabbitMQ's redelivery of the original and the recovered one.
-    survivor = workers.start("rmq-survivor@test", env=AMQP, queues=("rmq-solo",))
+    survivor = workers.start("rmq-survivor@test", env=on(amqp_broker), queues=("rmq-solo",))
 
     assert result.get(timeout=30) == 9
     assert TaskResult.objects.get(task_id=result.id).worker == "rmq-survivor@test"
@@ -170,7 +119,7 @@ def test_rabbitmq_redelivery_and_our_recovery_together_never_run_a_task_twice(
 ) -> None:
     from demoapp.tasks import summarize
 
-    worker = workers.start("rmq-many@test", env=AMQP, concurrency=4)
+    worker = workers.start("rmq-many@test", env=on(amqp_broker), concurrency=4)
     results = [summarize.delay([i], seconds=3) for i in range(4)]
     for r in results:
         begun(r.id)
@@ -179,9 +128,9 @@ def test_rabbitmq_redelivery_and_our_recovery_together_never_run_a_task_twice(
 
     if order == "sweep-then-restart":
         sweep_until_recovered(ids)
-        workers.start("rmq-many@test", env=AMQP, concurrency=4)
+        workers.start("rmq-many@test", env=on(amqp_broker), concurrency=4)
     else:
-        workers.start("rmq-many@test", env=AMQP, concurrency=4)
+        workers.start("rmq-many@test", env=on(amqp_broker), concurrency=4)
         for _ in range(6):  # while the redelivered originals run, and after
             sweep_now()
 
@@ -198,15 +147,15 @@ def test_rabbitmq_redelivery_and_our_recovery_together_never_run_a_task_twice(
         assert Counter(recovered.values_list("task_id", flat=True)) == Counter(ids)
 
 
-# A lease that outlives the restart, as the defaults' 10 s lease does for a worker restarted in place.
-LONG_LEASE = {**AMQP, "CELERY_ORPHANS_LEASE_SECONDS": "10", "CELERY_ORPHANS_HEARTBEAT_SECONDS": "1"}
+# A lease that outlives the restart, as a 10 s lease does for a worker restarted in place.
+LONG_LEASE = {"CELERY_ORPHANS_LEASE_SECONDS": "10", "CELERY_ORPHANS_HEARTBEAT_SECONDS": "1"}
 
 
 def test_poison_task_on_rabbitmq_ends_terminal_after_max_attempts(workers: Any, amqp_broker: str) -> None:
     from demoapp.tasks import poison
 
     result = poison.delay()  # @recoverable(max_attempts=2); kills its worker every time
-    worker = workers.start("rmq-poison@test", env=LONG_LEASE)
+    worker = workers.start("rmq-poison@test", env={**on(amqp_broker), **LONG_LEASE})
 
     def failed() -> bool:
         return TaskResult.objects.filter(task_id=result.id, status="FAILURE").exists()
@@ -217,7 +166,7 @@ def test_poison_task_on_rabbitmq_ends_terminal_after_max_attempts(workers: Any, 
         if failed():
             break
         # Restarted in place, as systemd would: RabbitMQ hands it the task again at once.
-        worker = workers.start("rmq-poison@test", env=LONG_LEASE)
+        worker = workers.start("rmq-poison@test", env={**on(amqp_broker), **LONG_LEASE})
         sweep_now()
 
     assert TaskResult.objects.get(task_id=result.id).status == "FAILURE", executions(result.id)

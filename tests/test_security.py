@@ -10,10 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-import shutil
-import signal
-import socket
-import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -21,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from django.core.management import CommandError, call_command
 from django.urls import reverse
 from django_celery_results.models import TaskResult
@@ -33,6 +28,7 @@ from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
 from tests import factories
+from tests.services import RedisServer
 from tests.workers import wait_for
 
 QUEUE = "celery"
@@ -217,65 +213,9 @@ def test_publish_itself_refuses_a_message_that_runs_another_task_than_recovered(
 # --- a Redis password --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateRedis:
-    """A ``redis-server`` of the test's own, on a free port, that the test may stop and start at will.
-
-    The machine's Redis is shared with other work and is never stopped; this one is. A ``persistent``
-    one writes every command to its append-only file, so a SIGKILL and a start lose nothing.
-    """
-
-    def __init__(self, directory: Path, password: str | None = None, *, persistent: bool = False) -> None:
-        self.directory = directory
-        self.password = password
-        self.persistent = persistent
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def url(self, db: int = 0, password: str | None = None) -> str:
-        secret = self.password if password is None else password
-        auth = f":{secret}@" if secret else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
-
-    def start(self) -> None:
-        command = [
-            shutil.which("redis-server") or "redis-server",
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--dir", str(self.directory),
-            "--appendonly", "yes" if self.persistent else "no",
-            "--appendfsync", "always",
-        ]  # fmt: skip
-        if self.password:
-            command += ["--requirepass", self.password]
-        log = open(self.directory / f"redis-{self.port}.log", "ab")  # noqa: SIM115 - the server keeps it
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        wait_for(self.answers, 10, f"redis-server on port {self.port}", interval=0.05)
-
-    def answers(self) -> bool:
-        try:
-            return bool(redis.Redis.from_url(self.url(), socket_timeout=1).ping())
-        except redis.ConnectionError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-        self.process = None
-
-
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path, password=f"pw-{uuid.uuid4().hex}")
-    server.start()
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path, password=f"pw-{uuid.uuid4().hex}").start()
     yield server
     server.stop()
 
@@ -307,7 +247,7 @@ def admin_pages(admin_client: Any) -> dict[str, str]:
 @pytest.mark.worker
 def test_redis_password_is_in_no_log_audit_row_or_admin_page_of_a_recovery(
     workers: Any,
-    private_redis: PrivateRedis,
+    private_redis: RedisServer,
     settings: Any,
     caplog: Any,
     admin_client: Any,
@@ -352,7 +292,7 @@ def test_redis_password_is_in_no_log_audit_row_or_admin_page_of_a_recovery(
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("failure", ["server-down", "wrong-password"])
 def test_redis_password_is_in_no_error_when_the_ledger_redis_fails(
-    failure: str, private_redis: PrivateRedis, settings: Any, caplog: Any, admin_client: Any
+    failure: str, private_redis: RedisServer, settings: Any, caplog: Any, admin_client: Any
 ) -> None:
     secret = private_redis.password
     if failure == "server-down":

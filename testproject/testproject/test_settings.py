@@ -1,10 +1,15 @@
-"""Settings for the test suite: a Redis database of its own (emptied by tests), everything else shared."""
+"""Settings for the test suite: a Redis server and a database of the run's own (see tests/services.py)."""
 
 import os
 
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
+from tests import services
 
-from testproject.settings import *  # noqa: F403
+services.provide()
+
+from testproject.settings import *  # noqa: E402, F403
+from testproject.settings import DATABASES  # noqa: E402
+
+DATABASES["default"]["TEST"] = {"NAME": services.TEST_DATABASE_NAME}
 
 # Short leases so that a killed worker is provably gone within a couple of seconds. Environment
 # variables, not settings, so a test can start a worker with the production defaults.

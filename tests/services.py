@@ -1,0 +1,197 @@
+"""The services a test run, the demo or a benchmark uses, each its own: nothing else is touched.
+
+- **Redis**: a ``redis-server`` of the run's own on a free port, which dies with the process that started
+  it. ``TEST_REDIS_URL`` names a Redis database to use instead; the suite empties it before each test
+  that uses it, so give it one that holds nothing else.
+- **RabbitMQ**: a vhost of the run's own (``celery-orphans-tests``) on the local server, made with
+  ``rabbitmqctl`` when a test first needs it and deleted at the end. ``TEST_AMQP_URL`` names a vhost to
+  use instead; the suite declares and purges its queues there.
+- **PostgreSQL**: pytest-django creates the database ``test_celery_orphans`` on the server that
+  ``TEST_DATABASE_URL`` names (``postgres://postgres@127.0.0.1:5432/postgres`` by default) and drops it
+  at the end; the database in the URL itself is only connected to.
+
+The run's own process chooses (``provide``) when the test settings are imported, before anything else
+reads them, and writes the choice into its environment, which every worker and command it starts inherits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+# Set in the run's own process: a process that finds it set by a live ancestor uses what it inherited.
+OWNER = "CELERY_ORPHANS_TEST_OWNER"
+DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres"
+TEST_DATABASE_NAME = "test_celery_orphans"
+VHOST = "celery-orphans-tests"
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # A server of a run killed with SIGKILL must not outlive it.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class RedisServer:
+    """A ``redis-server`` of the caller's own, on a free port, that the caller may stop and start at will.
+
+    A ``persistent`` one writes every command to its append-only file, so a SIGKILL and a start lose
+    nothing. It dies with the process (the thread, strictly) that started it.
+    """
+
+    def __init__(self, directory: Path, password: str | None = None, *, persistent: bool = False) -> None:
+        self.directory = directory
+        self.password = password
+        self.persistent = persistent
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int = 0, password: str | None = None) -> str:
+        secret = self.password if password is None else password
+        auth = f":{secret}@" if secret else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+
+    def client(self) -> redis.Redis[bytes]:
+        return redis.Redis.from_url(self.url(), socket_timeout=1)
+
+    def start(self, timeout: float = 10) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not on PATH: the tests and the demo run Redis servers of their own"
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        command = [
+            binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--dir", str(self.directory),
+            "--appendonly", "yes" if self.persistent else "no",
+            "--appendfsync", "always",
+        ]  # fmt: skip
+        if self.password:
+            command += ["--requirepass", self.password]
+        with open(self.directory / f"redis-{self.port}.log", "ab") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            )
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not start; see {self.directory}")
+            time.sleep(0.02)
+        return self
+
+    def answers(self) -> bool:
+        try:
+            with self.client() as conn:
+                return bool(conn.ping())
+        except redis.ConnectionError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+
+def _owned_elsewhere() -> bool:
+    """Whether a live ancestor run chose the services already (this is one of its workers or commands)."""
+    owner = os.environ.get(OWNER)
+    if not owner or owner == str(os.getpid()):
+        return bool(owner)
+    try:
+        os.kill(int(owner), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def provide() -> None:
+    """Choose this run's Redis and database, starting a Redis server if none is given, and export them.
+
+    Sets ``REDIS_URL`` (the ledger, and the broker unless a test says otherwise) and ``DATABASE_URL`` for
+    the test settings and every process the run starts; a process of a run that already chose keeps what
+    it got. A ``CELERY_BROKER_URL`` of the caller's environment would send the tests' tasks to another
+    broker (Celery reads it before any setting): it is dropped.
+    """
+    if _owned_elsewhere():
+        return
+    redis_url = os.environ.get("TEST_REDIS_URL") or own_redis().url()
+    os.environ.pop("CELERY_BROKER_URL", None)
+    os.environ.update(
+        {
+            OWNER: str(os.getpid()),
+            "REDIS_URL": redis_url,
+            "DATABASE_URL": os.environ.get("TEST_DATABASE_URL", DEFAULT_DATABASE_URL),
+        }
+    )
+
+
+_own_redis: RedisServer | None = None
+
+
+def own_redis() -> RedisServer:
+    """This process's Redis server, started at the first call and stopped when the process exits."""
+    global _own_redis
+    if _own_redis is None:
+        directory = Path(tempfile.mkdtemp(prefix="celery-orphans-redis-"))
+        _own_redis = RedisServer(directory).start()
+        atexit.register(_stop_own_redis, _own_redis)
+    return _own_redis
+
+
+def _stop_own_redis(server: RedisServer) -> None:
+    server.stop()
+    shutil.rmtree(server.directory, ignore_errors=True)
+
+
+class Vhost:
+    """A RabbitMQ vhost of the run's own on the local server, for the user ``guest``."""
+
+    def __init__(self, name: str = VHOST, host: str = "127.0.0.1", port: int = 5672) -> None:
+        self.name, self.host, self.port = name, host, port
+
+    def url(self) -> str:
+        return f"amqp://guest:guest@{self.host}:{self.port}/{self.name}"
+
+    def create(self) -> Vhost:
+        # Ours by name: one left by a run that was killed holds nothing worth keeping.
+        self.delete()
+        _rabbitmqctl("add_vhost", self.name)
+        _rabbitmqctl("set_permissions", "-p", self.name, "guest", ".*", ".*", ".*")
+        return self
+
+    def delete(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _rabbitmqctl("delete_vhost", self.name)
+
+
+def _rabbitmqctl(*args: str) -> None:
+    binary = shutil.which("rabbitmqctl")
+    if binary is None:
+        raise RuntimeError(
+            "rabbitmqctl is not on PATH: set TEST_AMQP_URL to a RabbitMQ vhost the tests may use"
+        )
+    subprocess.run([binary, "-q", *args], check=True, capture_output=True, timeout=60)
