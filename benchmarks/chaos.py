@@ -24,10 +24,11 @@ At the end it prints:
     python benchmarks/chaos.py --tasks 1000 --kill-every 5
     python benchmarks/chaos.py --tasks 1000 --kill-every 5 --broker amqp
 
-Services: PostgreSQL (database ``chaos_orphans``, created and migrated if missing), Redis db 14 (flushed
-at start), RabbitMQ for ``--broker amqp``. Override with ``CHAOS_DATABASE_URL``, ``CHAOS_REDIS_URL`` and
+Services: PostgreSQL (database ``chaos_orphans``, created and migrated if missing), a Redis server of its
+own, and for ``--broker amqp`` a RabbitMQ vhost of its own (``celery-orphans-chaos``, made and deleted by
+the run). Override with ``CHAOS_DATABASE_URL``, ``CHAOS_REDIS_URL`` (a Redis database the run empties) and
 ``CHAOS_AMQP_URL``. Each run consumes a queue and uses node names of its own (``chaos-<run id>``,
-``chaos-w0-<run id>@bench``), so it never meets the test suite or another benchmark on the same broker.
+``chaos-w0-<run id>@bench``), so it never meets another run on the same broker.
 
 This module is also what the workers import (``-I benchmarks.chaos``) for the task ``chaos.work``, so its
 top level only defines that task; everything else runs from ``main()``.
@@ -491,21 +492,6 @@ def run(
 # --- the command line ------------------------------------------------------------------------------
 
 
-def _ensure_database(url: str) -> None:
-    from urllib.parse import urlsplit
-
-    import psycopg
-
-    parts = urlsplit(url)
-    name = parts.path.lstrip("/")
-    admin = (
-        f"host={parts.hostname} port={parts.port or 5432} user={parts.username or 'postgres'} dbname=postgres"
-    )
-    with psycopg.connect(admin, autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
-            conn.execute(f'CREATE DATABASE "{name}"')
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=1000)
@@ -520,8 +506,14 @@ def main() -> int:
 
     # Variables of its own, so a DATABASE_URL or REDIS_URL meant for the test suite is never used here.
     database_url = os.environ.get("CHAOS_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/chaos_orphans")
-    redis_url = os.environ.get("CHAOS_REDIS_URL", "redis://127.0.0.1:6379/14")
-    amqp_url = os.environ.get("CHAOS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    from tests.services import Vhost, ensure_database, own_redis
+
+    given_amqp = os.environ.get("CHAOS_AMQP_URL")
+
+    given_redis = os.environ.get("CHAOS_REDIS_URL")  # a Redis database the run may empty
+    redis_url = given_redis or own_redis().url()
+    vhost = Vhost("celery-orphans-chaos").create() if args.broker == "amqp" and not given_amqp else None
+    amqp_url = given_amqp or (vhost.url() if vhost else "")
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "testproject.settings",
@@ -536,7 +528,7 @@ def main() -> int:
     }
     os.environ.update(env)
     sys.path[:0] = [str(ROOT), str(PROJECT)]
-    _ensure_database(database_url)
+    ensure_database(database_url)
 
     import django
 
@@ -551,7 +543,8 @@ def main() -> int:
     from celery_orphans.models import OrphanEvent
 
     call_command("migrate", verbosity=0)
-    redis.Redis.from_url(redis_url).flushdb()
+    if given_redis:
+        redis.Redis.from_url(redis_url).flushdb()
     TaskResult.objects.all().delete()
     OrphanEvent.objects.all().delete()
 
@@ -567,6 +560,8 @@ def main() -> int:
             seed=args.seed,
             timeout=args.timeout,
         )
+    if vhost is not None:
+        vhost.delete()
     print(f"\nchaos, broker {args.broker}, sweeper {args.sweeper}:")
     for line in result.lines():
         print(f"  {line}")

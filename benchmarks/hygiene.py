@@ -8,9 +8,9 @@ time limit; half of each kind save a checkpoint first. Then, with the worker sti
 - our keys are the same ones as before the tasks (the worker's lease and its boots), and the sum of
   their ``MEMORY USAGE`` is back at its level before the tasks, within 1 %.
 
-The ledger lives on a ``redis-server`` of the benchmark's own (the broker stays on the shared Redis), so
-nothing else writes there; its ``used_memory`` is printed beside, for information only: it moves by a
-few percent with the connections open and the allocator's state.
+The ledger lives on a ``redis-server`` of its own (the broker on another), so nothing else writes there;
+its ``used_memory`` is printed beside, for information only: it moves by a few percent with the
+connections open and the allocator's state.
 
     python benchmarks/hygiene.py                # 10,000 tasks
     python benchmarks/hygiene.py --quick        # 1,000 tasks
@@ -22,9 +22,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,26 +30,21 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
-PORT = _free_port()
-LEDGER_URL = f"redis://127.0.0.1:{PORT}/0"
-# The broker and the worker's results stay where the other benchmarks keep theirs; only the ledger
-# (CELERY_ORPHANS_REDIS_URL, which the test project takes from REDIS_URL) moves to our own server.
-os.environ.setdefault("CELERY_BROKER_URL", os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/13"))
+from tests.services import BENCH_DATABASE_URL, RedisServer, ensure_database, provide  # noqa: E402
+
+provide(BENCH_DATABASE_URL)  # the broker's Redis server
+ensure_database(BENCH_DATABASE_URL)
+TMP = Path(tempfile.mkdtemp(prefix="celery-orphans-hygiene-"))
+# The ledger (CELERY_ORPHANS_REDIS_URL, which the test project takes from REDIS_URL) on a server of its own.
+LEDGER_URL = RedisServer(TMP / "ledger").start().url()
+os.environ["CELERY_BROKER_URL"] = os.environ["REDIS_URL"]
 os.environ["REDIS_URL"] = LEDGER_URL
 
 from benchmarks.hygiene_app import app  # noqa: E402  (sets Django up)
 
 # isort: split
-import redis  # noqa: E402
 from celery import states  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
@@ -76,28 +68,6 @@ MIX = {
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-def start_ledger_redis(directory: Path) -> subprocess.Popen[bytes]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not on PATH: the hygiene benchmark runs a ledger Redis of its own")
-    process = subprocess.Popen(
-        [binary, "--port", str(PORT), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        cwd=directory,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    conn = redis.Redis.from_url(LEDGER_URL)
-
-    def answers() -> bool:
-        try:
-            return bool(conn.ping())
-        except redis.ConnectionError:
-            return False
-
-    wait_for(answers, 15, f"redis-server on port {PORT}")
-    return process
 
 
 def footprint() -> dict[str, Any]:
@@ -214,13 +184,7 @@ def main() -> None:
 
     call_command("migrate", verbosity=0)
     TaskResult.objects.filter(task_id__startswith="hy-").delete()
-    tmp = Path(tempfile.mkdtemp(prefix="celery-orphans-hygiene-"))
-    server = start_ledger_redis(tmp)
-    try:
-        results = run(tasks, max(100, tasks // 20), tmp)
-    finally:
-        server.kill()
-        server.wait()
+    results = run(tasks, max(100, tasks // 20), TMP)
     before, after = results["before"], results["after"]
     growth = after["memory_usage_bytes"] / max(1, before["memory_usage_bytes"]) - 1
     log(

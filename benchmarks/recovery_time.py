@@ -32,7 +32,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "testproject")]
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/11")
+from tests.services import ensure_database, provide  # noqa: E402
+
+# A database of its own (it deletes every result row) and a Redis server of its own.
+DATABASE_URL = os.environ.get(
+    "BENCH_RECOVERY_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_recovery"
+)
+provide(DATABASE_URL)
+ensure_database(DATABASE_URL)
 os.environ["CELERY_ORPHANS_ENABLED"] = "true"
 
 import django  # noqa: E402
@@ -47,7 +54,6 @@ from testproject.celery import app  # noqa: E402
 from benchmarks.interleave import spread  # noqa: E402
 from celery_orphans.conf import settings  # noqa: E402
 from celery_orphans.models import OrphanEvent  # noqa: E402
-from celery_orphans.store import client  # noqa: E402
 from tests.workers import PROJECT, Worker, WorkerPool, process_tree, wait_for  # noqa: E402
 
 DEFAULT_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true"}
@@ -163,7 +169,6 @@ def main() -> None:
     args = parser.parse_args()
 
     call_command("migrate", verbosity=0)
-    client().flushdb()
     TaskResult.objects.all().delete()
     print(
         f"defaults: heartbeat {settings.HEARTBEAT_SECONDS}s, lease {settings.LEASE_SECONDS}s, "

@@ -31,14 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "benchmarks"
-# Our own services: recovery_time.py keeps its own (db `test`, Redis 11) and deletes every result row
-# of the database it is given, so it must never be handed ours.
-OURS = {"DATABASE_URL": "/bench_orphans", "REDIS_URL": "/13"}
-BENCH_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/bench_orphans"
 
 Row = tuple[str, str, str, str]  # benchmark, target, measured, result
 
@@ -50,7 +45,6 @@ class Benchmark:
     full: list[str]
     quick: list[str]
     rows: Callable[[dict[str, Any]], list[Row]]
-    env: Callable[[dict[str, str]], dict[str, str]] = lambda env: env
 
 
 def verdict(passed: bool | None) -> str:
@@ -183,10 +177,6 @@ def hygiene_rows(data: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def without_ours(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if not (k in OURS and v.rstrip("/").endswith(OURS[k]))}
-
-
 # Full size: P1 and P2 trials fit in the reference's three minutes of waiting.
 RECOVERY_FULL = ["--trials", "10", "--p2-trials", "8"]
 RECOVERY_QUICK = ["--trials", "1"]
@@ -196,9 +186,7 @@ RECOVERY_QUICK = ["--trials", "1"]
 ALONGSIDE_REFERENCE = ("recovery_time", "hygiene")
 
 BENCHMARKS = [
-    Benchmark(
-        "recovery_time", "recovery_time.py", RECOVERY_FULL, RECOVERY_QUICK, recovery_rows, without_ours
-    ),
+    Benchmark("recovery_time", "recovery_time.py", RECOVERY_FULL, RECOVERY_QUICK, recovery_rows),
     Benchmark("sweep_scale", "sweep_scale.py", [], ["--quick"], sweep_rows),
     Benchmark("throughput", "throughput.py", [], ["--quick"], throughput_rows),
     Benchmark("hygiene", "hygiene.py", [], ["--quick"], hygiene_rows),
@@ -214,7 +202,7 @@ def run(bench: Benchmark, quick: bool, out: Path, extra: list[str] | None = None
     print(f"\n=== {bench.name} ===", flush=True)
     command = command_of(bench, quick, out) + (extra or [])
     before, started = os.getloadavg(), time.monotonic()
-    code = subprocess.call(command, cwd=ROOT, env=bench.env(dict(os.environ)))
+    code = subprocess.call(command, cwd=ROOT, env=dict(os.environ))
     record: dict[str, Any] = {
         "command": " ".join(command[1:]),
         "exit_code": code,
@@ -247,7 +235,7 @@ def run_alongside(
                 {
                     "name": guest.name,
                     "command": command,
-                    "env": guest.env(dict(os.environ)),
+                    "env": dict(os.environ),
                     "log": str(tmp / f"{guest.name}.log"),
                 }
             )
@@ -293,26 +281,6 @@ def ensure_setup() -> None:
     python = Path(found.stdout.strip()) / "bin" / "python"
     if Path(sys.prefix).resolve() != python.parent.parent.resolve():
         os.execv(str(python), [str(python), *sys.argv])
-    ensure_database(os.environ.get("DATABASE_URL") or BENCH_DATABASE_URL)
-
-
-def ensure_database(url: str) -> None:
-    """Create the benchmarks' database when it is missing (``createdb``, through psycopg)."""
-    import psycopg
-
-    parts = urlsplit(url)
-    name = parts.path.lstrip("/")
-    with psycopg.connect(
-        host=parts.hostname or "127.0.0.1",
-        port=parts.port or 5432,
-        user=parts.username or "postgres",
-        password=parts.password,
-        dbname="postgres",
-        autocommit=True,
-    ) as conn:
-        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone() is None:
-            conn.execute(f'CREATE DATABASE "{name}"')
-            print(f"database {name}: created", file=sys.stderr)
 
 
 def table(rows: list[Row]) -> str:

@@ -43,9 +43,11 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "testproject")]
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
-# Our own database and Redis db, so the test suite (test_test, db 9) and recovery_time (db 11) never see us.
-os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_orphans")
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/13")
+from tests.services import BENCH_DATABASE_URL, ensure_database, provide  # noqa: E402
+
+# A database of its own, by name, and a Redis server of its own.
+provide(BENCH_DATABASE_URL)
+ensure_database(BENCH_DATABASE_URL)
 os.environ["CELERY_ORPHANS_ENABLED"] = "true"
 
 import django  # noqa: E402
@@ -573,7 +575,6 @@ def main() -> None:
     scales = [int(s) for s in args.scales.split(",")]
 
     call_command("migrate", verbosity=0)
-    client().flushdb()  # db 13 is ours alone: no key of an earlier run, or of an older package version
     finished = populate(args.finished)
     results: dict[str, Any] = {"finished_rows": finished, "quick": args.quick}
 

@@ -20,8 +20,11 @@ for path in (str(ROOT), str(ROOT / "testproject")):
     if path not in sys.path:
         sys.path.insert(0, path)
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
-os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_orphans")
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/13")
+from tests.services import BENCH_DATABASE_URL, ensure_database, provide  # noqa: E402
+
+# A database of its own, by name, and a Redis server of its own; its workers use the same.
+provide(BENCH_DATABASE_URL)
+ensure_database(BENCH_DATABASE_URL)
 
 import django  # noqa: E402
 

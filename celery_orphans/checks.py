@@ -15,7 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from celery_orphans.conf import settings
 from celery_orphans.recommended import DEFAULT_VISIBILITY_TIMEOUT, recommended_celery_settings
-from celery_orphans.registry import recoverable_tasks
+from celery_orphans.registry import load_tasks, recoverable_tasks
 
 TAG = "celery_orphans"
 
@@ -187,8 +187,8 @@ def _task_messages(
 def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
     """E004, E005 and W001: every task marked ``@recoverable``."""
     # ``manage.py check`` never imports task modules and a worker runs the checks before it does:
-    # discover them as ``app.autodiscover_tasks()`` would, or no task would be checked.
-    current_app.autodiscover_tasks(force=True)
+    # import them as a worker would, or no task would be checked.
+    load_tasks(current_app)
     conf = current_app.conf
     visibility = _visibility_timeout(conf)
     found: list[checks.CheckMessage] = []

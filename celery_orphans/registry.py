@@ -28,15 +28,24 @@ _loaded: set[int] = set()
 
 
 def load_tasks(app: Celery | None = None) -> None:
-    """Import the task modules of every installed app once per process, as a worker does at boot.
+    """Import every task module a worker of ``app`` imports, once per process, the way a worker does.
 
-    A web process (the management command, the admin) has not imported them, and a task it has not
+    That is Celery's ``import_default_modules``: every ``app.autodiscover_tasks(...)`` call, with the
+    packages it was given, and the modules the ``imports`` and ``include`` settings name. A web process
+    (the management command, the admin, the checks) has imported none of them, and a task it has not
     imported would look unknown.
     """
     app = app or current_app
-    if id(app) not in _loaded:
-        app.autodiscover_tasks(force=True)
-        _loaded.add(id(app))
+    if id(app) in _loaded:
+        return
+    # Marked first: Celery's Django fix-up answers that import by running Django's checks, among them
+    # ours, which ask for the tasks again; that nested run's findings are discarded.
+    _loaded.add(id(app))
+    try:
+        app.loader.import_default_modules()
+    except BaseException:
+        _loaded.discard(id(app))
+        raise
 
 
 def policy_for(name: str, app: Celery | None = None) -> RecoveryPolicy | None:

@@ -10,8 +10,10 @@
   ``TEST_DATABASE_URL`` names (``postgres://postgres@127.0.0.1:5432/postgres`` by default) and drops it
   at the end; the database in the URL itself is only connected to.
 
-The run's own process chooses (``provide``) when the test settings are imported, before anything else
-reads them, and writes the choice into its environment, which every worker and command it starts inherits.
+The run's own process chooses (``provide_for_tests``) when the test settings are imported, before anything
+else reads them, and writes the choice into its environment, which every worker and command it starts
+inherits. The demo and each benchmark start a Redis server of their own the same way (``provide``) and use
+a database of their own, by name.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import redis
 
 # Set in the run's own process: a process that finds it set by a live ancestor uses what it inherited.
 OWNER = "CELERY_ORPHANS_TEST_OWNER"
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres"
+# The benchmarks' database, or the one BENCH_DATABASE_URL names.
+BENCH_DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_orphans")
 TEST_DATABASE_NAME = "test_celery_orphans"
 VHOST = "celery-orphans-tests"
 _PR_SET_PDEATHSIG = 1
@@ -128,25 +133,44 @@ def _owned_elsewhere() -> bool:
     return True
 
 
-def provide() -> None:
-    """Choose this run's Redis and database, starting a Redis server if none is given, and export them.
+def provide(database_url: str, *, redis_url: str | None = None) -> None:
+    """Choose this run's Redis (``redis_url``, else a server of its own) and database, and export them.
 
     Sets ``REDIS_URL`` (the ledger, and the broker unless a test says otherwise) and ``DATABASE_URL`` for
-    the test settings and every process the run starts; a process of a run that already chose keeps what
-    it got. A ``CELERY_BROKER_URL`` of the caller's environment would send the tests' tasks to another
-    broker (Celery reads it before any setting): it is dropped.
+    the settings and every process the run starts; a process of a run that already chose keeps what it
+    got. A ``CELERY_BROKER_URL`` of the caller's environment would send the run's tasks to another broker
+    (Celery reads it before any setting): it is dropped.
     """
     if _owned_elsewhere():
         return
-    redis_url = os.environ.get("TEST_REDIS_URL") or own_redis().url()
+    redis_url = redis_url or own_redis().url()
     os.environ.pop("CELERY_BROKER_URL", None)
-    os.environ.update(
-        {
-            OWNER: str(os.getpid()),
-            "REDIS_URL": redis_url,
-            "DATABASE_URL": os.environ.get("TEST_DATABASE_URL", DEFAULT_DATABASE_URL),
-        }
+    os.environ.update({OWNER: str(os.getpid()), "REDIS_URL": redis_url, "DATABASE_URL": database_url})
+
+
+def provide_for_tests() -> None:
+    """``provide`` for the test suite: ``TEST_REDIS_URL`` and ``TEST_DATABASE_URL`` (see the module)."""
+    provide(
+        os.environ.get("TEST_DATABASE_URL", DEFAULT_DATABASE_URL), redis_url=os.environ.get("TEST_REDIS_URL")
     )
+
+
+def ensure_database(url: str) -> None:
+    """Create the PostgreSQL database ``url`` names when it is missing (a benchmark's own, by its name)."""
+    import psycopg
+
+    parts = urlsplit(url)
+    name = unquote(parts.path.lstrip("/"))
+    with psycopg.connect(
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or 5432,
+        user=unquote(parts.username or "postgres"),
+        password=unquote(parts.password) if parts.password else None,
+        dbname="postgres",
+        autocommit=True,
+    ) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone() is None:
+            conn.execute(f'CREATE DATABASE "{name}"')
 
 
 _own_redis: RedisServer | None = None

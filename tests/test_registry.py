@@ -1,7 +1,13 @@
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from celery import Celery, shared_task
@@ -16,6 +22,8 @@ from celery_orphans.registry import (
     policy_of,
     recoverable_tasks,
 )
+from tests import factories
+from tests.conftest import _database_url
 
 DEMO_POLICIES = {
     "demoapp.summarize": RecoveryPolicy(group="summaries"),
@@ -117,3 +125,62 @@ def test_policy_of_ignores_anything_but_a_recovery_policy(fresh_app: Celery) -> 
     assert policy_of(task) is None
     assert policy_of(noop()) is None
     assert policy_of(None) is None
+
+
+# --- a project whose tasks live outside INSTALLED_APPS --------------------------------------------
+
+MINIMAL_PROJECT = Path(__file__).parent / "minimal_project"
+PROJECT_TASKS = {
+    "proj.slow": "app.autodiscover_tasks(['proj'])",
+    "proj.imported": "the imports setting",
+    "proj.included": "the include setting",
+}
+
+
+def run_in_minimal_project(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``manage.py *args`` in a copy of tests/minimal_project, on the test database and Redis."""
+    shutil.copytree(MINIMAL_PROJECT, tmp_path / "project")
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=tmp_path / "project",
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "proj.settings",
+            "DATABASE_URL": _database_url(),
+            "PYTHONPATH": str(tmp_path / "project"),
+            **(env or {}),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return result
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_command_knows_tasks_from_a_project_package_and_the_imports_and_include_settings(
+    tmp_path: Path, redis_client: object
+) -> None:
+    ids = {factories.orphan(name, ()): name for name in PROJECT_TASKS}
+
+    out = run_in_minimal_project(
+        tmp_path, "reconcile_orphan_tasks", "--dry-run", "--json", "--grace-minutes", "0"
+    )
+
+    assert out.returncode == 0, out.stderr
+    decisions = {o["id"]: o for o in map(json.loads, out.stdout.splitlines()) if o.get("id") in ids}
+    for task_id, name in ids.items():
+        assert decisions[task_id]["reason"] == "recoverable", f"{name}, found by {PROJECT_TASKS[name]}"
+        assert decisions[task_id]["decision"] == "recover"
+
+
+def test_the_checks_see_a_task_that_only_the_imports_setting_names(tmp_path: Path) -> None:
+    out = run_in_minimal_project(
+        tmp_path, "check", "--tag", "celery_orphans", env={"PROJ_MORE_IMPORTS": "proj.careless"}
+    )
+
+    assert out.returncode == 1
+    assert "celery_orphans.E004" in out.stderr and "'proj.careless'" in out.stderr

@@ -4,7 +4,7 @@ import os
 
 from tests import services
 
-services.provide()
+services.provide_for_tests()
 
 from testproject.settings import *  # noqa: E402, F403
 from testproject.settings import DATABASES  # noqa: E402

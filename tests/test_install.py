@@ -1,0 +1,142 @@
+"""A stranger's install: the built wheel (and the sdist) in a fresh virtualenv with no extras, a new
+project, Beat and a worker on Redis, the worker killed, the task recovered.
+
+Nothing of this checkout is on the path of those processes: they run only what pip installed from the
+package and what the project declares, so a dependency the package forgets to declare fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.services import RedisServer
+from tests.workers import ROOT, wait_for
+
+pytestmark = pytest.mark.worker
+
+MINIMAL_PROJECT = Path(__file__).parent / "minimal_project"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The sdist, and the wheel built from it, as ``python -m build`` makes them for a release."""
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}
+
+
+class Project:
+    """A copy of tests/minimal_project run by a virtualenv of its own, on SQLite and its own Redis."""
+
+    def __init__(self, root: Path, venv: Path, redis_url: str) -> None:
+        self.root, self.venv = root, venv
+        self.database = root / "db.sqlite3"
+        self.env = {
+            "PATH": f"{venv / 'bin'}{os.pathsep}/usr/local/bin{os.pathsep}/usr/bin{os.pathsep}/bin",
+            "HOME": str(root),
+            "LANG": "C.UTF-8",
+            "DJANGO_SETTINGS_MODULE": "proj.settings",
+            "DATABASE_URL": f"sqlite:///{self.database}",
+            "REDIS_URL": redis_url,
+        }
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def run(self, *command: str) -> str:
+        done = subprocess.run(
+            command, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=600, check=False
+        )
+        assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def start(self, name: str, *command: str) -> subprocess.Popen[bytes]:
+        with open(self.root / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(
+                command,
+                cwd=self.root,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.processes.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def worker(self, node: str) -> subprocess.Popen[bytes]:
+        celery = str(self.venv / "bin" / "celery")
+        process = self.start(node, celery, "-A", "proj", "worker", "-n", node, "-c", "1", "--loglevel=INFO")
+        wait_for(lambda: " ready." in self.log(node) or process.poll() is not None, 60, f"{node} to start")
+        assert process.poll() is None, self.log(node)
+        return process
+
+    def query(self, sql: str, *args: object) -> list[tuple[object, ...]]:
+        with sqlite3.connect(self.database, timeout=30) as conn:
+            return conn.execute(sql, args).fetchall()
+
+    def row(self, task_id: str) -> tuple[object, ...] | None:
+        found = self.query(
+            "SELECT status, worker, result FROM django_celery_results_taskresult WHERE task_id = ?", task_id
+        )
+        return found[0] if found else None
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("artifact", ["wheel", "sdist"])
+def test_a_fresh_install_recovers_a_task_whose_worker_was_killed(
+    artifact: str, built: dict[str, Path], tmp_path: Path
+) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    redis_server = RedisServer(tmp_path / "redis").start()
+    project = Project(tmp_path / "project", venv, redis_server.url())
+    shutil.copytree(MINIMAL_PROJECT, project.root)
+    try:
+        project.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(built[artifact]))
+        python = str(venv / "bin" / "python")
+        project.run(python, "manage.py", "migrate", "-v", "0")
+        project.start(
+            "beat", str(venv / "bin" / "celery"), "-A", "proj", "beat", "-S", "django", "--loglevel=INFO"
+        )
+        first = project.worker("first@install")
+        send = "import django; django.setup(); from proj.tasks import slow; print(slow.delay(6).id)"
+        sent = project.run(python, "-c", send)
+        task_id = sent.split()[-1]
+        wait_for(lambda: (project.row(task_id) or ("",))[0] == "STARTED", 60, "the task to start")
+
+        os.killpg(first.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        project.worker("second@install")
+        wait_for(lambda: (project.row(task_id) or ("",))[0] == "SUCCESS", 90, "the task to be recovered")
+        print(f"{artifact}: recovered and done {time.monotonic() - killed_at:.1f}s after the kill")
+    finally:
+        project.stop()
+        redis_server.stop()
+
+    _, worker, result = project.row(task_id) or ()
+    assert (worker, json.loads(str(result))) == ("second@install", 6)
+    assert project.query(
+        "SELECT trigger, evidence FROM celery_orphans_orphanevent WHERE task_id = ? AND action = 'recovered'",
+        task_id,
+    ) == [("beat", "no_reply_lease_lapsed")]
