@@ -22,6 +22,11 @@ def pytest_configure(config: pytest.Config) -> None:
     handle = open(path, "w")  # noqa: SIM115 - held open for the whole run
     fcntl.flock(handle, fcntl.LOCK_EX)
     config.stash[_LOCK] = handle
+    if os.environ.get("CELERY_ORPHANS_TEST_INSTALLED"):
+        import celery_orphans
+
+        # tests/installed.py: the package must come from site-packages, not from a checkout.
+        assert "site-packages" in Path(celery_orphans.__file__).parts, celery_orphans.__file__
 
 
 _LOCK = pytest.StashKey[object]()

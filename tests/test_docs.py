@@ -14,6 +14,7 @@ import pytest
 from django.core.checks.registry import registry as check_registry
 from django.test import override_settings
 
+from celery_orphans import checks
 from celery_orphans.conf import Setting, Settings
 from tests.celery_conf import patch_setting
 from tests.workers import ROOT
@@ -88,7 +89,7 @@ def test_the_readme_lists_every_setting_with_its_default():
 
 
 def ids_in_checks_module() -> set[str]:
-    source = (ROOT / "celery_orphans" / "checks.py").read_text()
+    source = Path(checks.__file__).read_text()
     return {f"celery_orphans.{code}" for code in re.findall(r"""["']([EWI]\d{3})["']""", source)}
 
 

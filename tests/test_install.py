@@ -25,6 +25,8 @@ from tests.workers import ROOT, wait_for
 pytestmark = pytest.mark.worker
 
 MINIMAL_PROJECT = Path(__file__).parent / "minimal_project"
+# Where the package's source is: this checkout, or the one tests/installed.py copied the suite from.
+SOURCE = Path(os.environ.get("CELERY_ORPHANS_CHECKOUT", ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The sdist, and the wheel built from it, as ``python -m build`` makes them for a release."""
     out = tmp_path_factory.mktemp("dist")
     subprocess.run(
-        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+        [sys.executable, "-m", "build", "--outdir", str(out), str(SOURCE)],
         check=True,
         capture_output=True,
         timeout=600,
