@@ -64,12 +64,12 @@ from django.utils import timezone  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
 from testproject.celery import app  # noqa: E402
 
-from celery_orphans import rows as rows_module  # noqa: E402
 from celery_orphans import sweep  # noqa: E402
+from celery_orphans.entry import Entry  # noqa: E402
 from celery_orphans.exceptions import LedgerUnavailable  # noqa: E402
-from celery_orphans.ledger import Entry  # noqa: E402
 from celery_orphans.models import OrphanEvent, Trigger  # noqa: E402
 from celery_orphans.store import Keys, client  # noqa: E402
+from celery_orphans.sweep import rows as rows_module  # noqa: E402
 from tests.factories import delivery  # noqa: E402
 from tests.workers import Worker, WorkerPool, wait_for  # noqa: E402
 

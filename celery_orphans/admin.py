@@ -16,7 +16,7 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 from django_celery_results.models import TaskResult
 
-from celery_orphans import views
+from celery_orphans import operations
 from celery_orphans.models import OrphanEvent, Trigger
 
 # The in-flight page lists this many tasks (oldest first); the counts above it cover every one.
@@ -63,7 +63,7 @@ class OrphanEventAdmin(_ModelAdmin):
 
     def in_flight_view(self, request: HttpRequest) -> HttpResponse:
         """Every running task with the verdict of one dry-run sweep; the actions need the permission."""
-        can_act = request.user.has_perm(views.PERMISSION)
+        can_act = request.user.has_perm(operations.PERMISSION)
         if not (can_act or self.has_view_permission(request)):
             raise PermissionDenied
         if request.method == "POST":
@@ -72,8 +72,8 @@ class OrphanEventAdmin(_ModelAdmin):
             _act(request)
             return HttpResponseRedirect(request.get_full_path())
         try:
-            rows, error = views.in_flight(Trigger.ADMIN), None
-        except views.SWEEP_ERRORS as exc:
+            rows, error = operations.in_flight(Trigger.ADMIN), None
+        except operations.SWEEP_ERRORS as exc:
             rows, error = [], f"Could not judge the running tasks: {exc}"
         shown = rows[:IN_FLIGHT_SHOWN]
         context = {
@@ -143,18 +143,18 @@ def _act(request: HttpRequest) -> None:
         messages.warning(request, "Select the tasks to act on; nothing was done.")
         return
     try:
-        task_ids = views.clean_task_ids(selected)
+        task_ids = operations.clean_task_ids(selected)
     except ValueError as exc:
         messages.error(request, f"{exc}; nothing was done.")
         return
     try:
-        results = views.act(
+        results = operations.act_on(
             task_ids,
             mark_terminal=action == "mark_terminal",
             trigger=Trigger.ADMIN,
             user=request.user.get_username(),
         )
-    except views.SWEEP_ERRORS as exc:
+    except operations.SWEEP_ERRORS as exc:
         messages.error(request, f"{ACTIONS[action]}: nothing was done: {exc}")
         return
     for result in results:

@@ -11,12 +11,12 @@ class CeleryOrphansConfig(AppConfig):
     def ready(self) -> None:
         from celery import signals
 
-        from celery_orphans import checkpoints, checks, worker
+        from celery_orphans import checkpoints, checks, receivers
 
         checks.register()
-        signals.worker_ready.connect(worker.on_worker_ready, dispatch_uid="celery_orphans.worker_ready")
+        signals.worker_ready.connect(receivers.worker_ready, dispatch_uid="celery_orphans.worker_ready")
         signals.worker_shutdown.connect(
-            worker.on_worker_shutdown, dispatch_uid="celery_orphans.worker_shutdown"
+            receivers.worker_shutdown, dispatch_uid="celery_orphans.worker_shutdown"
         )
         # A finished task's checkpoint goes; a Celery retry sends task_retry, never task_failure.
         signals.task_success.connect(checkpoints.on_task_success, dispatch_uid="celery_orphans.task_success")

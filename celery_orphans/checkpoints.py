@@ -42,8 +42,8 @@ from celery import Task
 
 from celery_orphans import registry
 from celery_orphans.conf import settings
+from celery_orphans.entry import HEADER, recovery_attempt
 from celery_orphans.exceptions import CheckpointFenced, CheckpointTooLarge
-from celery_orphans.ledger import HEADER, recovery_attempt
 from celery_orphans.store import Keys, client
 
 logger = logging.getLogger(__name__)

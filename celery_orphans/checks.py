@@ -287,7 +287,7 @@ def check_database(**kwargs: Any) -> list[checks.CheckMessage]:
     """I001: only PostgreSQL gives the sweep a transaction-level advisory lock."""
     from django.db import connections
 
-    from celery_orphans.locks import uses_advisory_lock
+    from celery_orphans.sweep.lock import uses_advisory_lock
 
     if uses_advisory_lock():
         return []

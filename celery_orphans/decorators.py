@@ -10,6 +10,7 @@ from celery.local import PromiseProxy, Proxy
 from celery.utils.imports import symbol_by_name
 
 from celery_orphans.registry import POLICY_ATTR, RecoveryPolicy
+from celery_orphans.worker.request import recoverable_request_class
 
 TaskT = TypeVar("TaskT")
 
@@ -82,7 +83,6 @@ def _apply_by_name(app: Any, name: str, policy: RecoveryPolicy) -> None:
 
 
 def _apply(task: Task[Any, Any], policy: RecoveryPolicy) -> None:
-    from celery_orphans.request import recoverable_request_class
 
     setattr(task, POLICY_ATTR, policy)
     app_default = bool(task.app.conf.task_acks_late)

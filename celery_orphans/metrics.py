@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_orphans import leases
+
 try:
     import prometheus_client
 except ImportError:  # the extra is optional: without it every function here does nothing
@@ -43,8 +45,6 @@ def _get() -> dict[str, Any]:
             sweep_duration=p.Histogram("celery_orphans_sweep_duration_seconds", "Duration of a sweep."),
             leases=p.Gauge("celery_orphans_leases", "Worker boots holding a live lease."),
         )
-        from celery_orphans import leases
-
         _metrics["leases"].set_function(leases.count)
     return _metrics
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from django.db import models
 
 
-class Action(models.TextChoices):
+class AuditAction(models.TextChoices):
+    """What an audit row records was done (or, in shadow mode, would have been)."""
+
     RECOVERED = "recovered", "Recovered"
     MARKED_TERMINAL = "marked_terminal", "Marked terminal"
     FORGOTTEN = "forgotten", "Forgotten (already finished)"
@@ -30,7 +32,7 @@ class OrphanEvent(models.Model):
     task_id = models.CharField(max_length=255, db_index=True)
     task_name = models.CharField(max_length=255, blank=True)
     worker = models.CharField(max_length=255, blank=True)
-    action = models.CharField(max_length=32, choices=Action.choices)
+    action = models.CharField(max_length=32, choices=AuditAction.choices)
     reason = models.CharField(max_length=64)
     evidence = models.CharField(max_length=64, blank=True)
     detail = models.TextField(blank=True)

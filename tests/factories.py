@@ -16,7 +16,8 @@ from django.utils import timezone
 from django_celery_results.models import TaskResult
 from kombu.serialization import dumps
 
-from celery_orphans.ledger import Delivery, Entry, Ledger
+from celery_orphans.entry import Delivery, Entry
+from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
 
 GHOST = "ghost@test"
@@ -85,7 +86,7 @@ def orphan(
         )
     if entry:
         made = delivery(name, task_id, args, content_type=content_type)
-        Ledger(client(), Keys.current()).admit(
+        Ledger(client(), Keys.current()).admit_delivery(
             ledger_entry(made, node=worker, recorded_at=started.timestamp())
         )
     return task_id

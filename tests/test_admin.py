@@ -15,10 +15,10 @@ from django.urls import reverse
 from django.utils.http import urlencode
 from django_celery_results.models import TaskResult
 
-from celery_orphans.leases import Heartbeat
-from celery_orphans.locks import ADVISORY_LOCK_ID
 from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys
+from celery_orphans.sweep.lock import ADVISORY_LOCK_ID
+from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
 from tests.workers import wait_for
 

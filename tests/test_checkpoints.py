@@ -13,13 +13,13 @@ import pytest
 from django_celery_results.models import TaskResult
 
 import celery_orphans
-from celery_orphans.actions import ALL_RETRIES
 from celery_orphans.checkpoints import CheckpointStore, Saved, on_task_failure, on_task_success
 from celery_orphans.exceptions import CheckpointFenced, CheckpointTooLarge
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent
 from celery_orphans.reconcile import Action
 from celery_orphans.store import Keys, client
+from celery_orphans.sweep.actions import ALL_RETRIES
 from tests.test_recovery import outcome_of, started_on, sweep_now
 from tests.workers import wait_for
 

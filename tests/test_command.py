@@ -15,8 +15,8 @@ from django.db import connection
 from django_celery_results.models import TaskResult
 
 from celery_orphans import leases
-from celery_orphans.locks import ADVISORY_LOCK_ID
 from celery_orphans.models import OrphanEvent
+from celery_orphans.sweep.lock import ADVISORY_LOCK_ID
 from tests.conftest import _database_url
 from tests.workers import ROOT, wait_for
 
@@ -73,11 +73,17 @@ def manage(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
+# The one JSON shape of an outcome, shared with the HTTP API (docs/api.md).
+OUTCOME_FIELDS = {
+    "task_id", "task_name", "worker", "action", "reason", "evidence", "detail", "attempt", "done", "error"
+}  # fmt: skip
+
+
 def json_lines(out: str) -> dict[str, dict[str, object]]:
     """Every line parsed as one JSON object, by task id."""
     objects = [json.loads(line) for line in out.splitlines()]
     assert all(isinstance(o, dict) for o in objects)
-    by_id = {str(o["id"]): o for o in objects}
+    by_id = {str(o["task_id"]): o for o in objects}
     assert len(by_id) == len(objects)
     return by_id
 
@@ -137,8 +143,8 @@ def test_dry_run_decides_and_reports_but_changes_nothing(orphans, redis_client, 
     out, _ = command("--dry-run", "--grace-minutes", "0", "--json")
 
     decided = json_lines(out)
-    assert decided[orphans.summarize]["decision"] == "recover"
-    assert decided[orphans.scan]["decision"] == "mark_terminal"
+    assert decided[orphans.summarize]["action"] == "recover"
+    assert decided[orphans.scan]["action"] == "mark_terminal"
     assert_untouched(before, state(redis_client))
     # No expiry was pushed back either (a refreshed key would live longer than it did before).
     ttl_after = expiries(redis_client)
@@ -186,17 +192,17 @@ def test_json_prints_one_object_per_orphan_with_its_decision_and_reason(orphans,
     decided = json_lines(script.stdout)
     assert set(decided) == {orphans.summarize, orphans.scan}
     for task in decided.values():
-        assert {"id", "name", "worker", "decision", "reason"} <= task.keys()
-    assert {k: decided[orphans.summarize][k] for k in ("name", "worker", "decision", "reason")} == {
-        "name": "demoapp.summarize",
+        assert set(task) == OUTCOME_FIELDS
+    assert {k: decided[orphans.summarize][k] for k in ("task_name", "worker", "action", "reason")} == {
+        "task_name": "demoapp.summarize",
         "worker": NODE,
-        "decision": "recover",
+        "action": "recover",
         "reason": "recoverable",
     }
-    assert {k: decided[orphans.scan][k] for k in ("name", "worker", "decision", "reason")} == {
-        "name": "demoapp.scan",
+    assert {k: decided[orphans.scan][k] for k in ("task_name", "worker", "action", "reason")} == {
+        "task_name": "demoapp.scan",
         "worker": NODE,
-        "decision": "mark_terminal",
+        "action": "mark_terminal",
         "reason": "not_recoverable",
     }
 
@@ -206,7 +212,7 @@ def test_table_lists_each_orphan_and_ends_with_a_summary(orphans, redis_client):
     out, _ = command("--dry-run", "--grace-minutes", "0")
 
     lines = out.splitlines()
-    assert lines[0].split() == ["TASK", "ID", "NAME", "WORKER", "DECISION", "REASON", "EVIDENCE"]
+    assert lines[0].split() == ["TASK", "ID", "TASK", "NAME", "WORKER", "ACTION", "REASON", "EVIDENCE"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:-1]}
     assert rows[orphans.summarize][:4] == ["demoapp.summarize", NODE, "recover", "recoverable"]
     assert rows[orphans.scan][:4] == ["demoapp.scan", NODE, "mark_terminal", "not_recoverable"]
@@ -234,7 +240,7 @@ def test_all_lists_a_task_in_grace_as_left_alone(orphans, redis_client):
 
     decided = json_lines(out)
     assert set(decided) == {orphans.summarize, orphans.scan}
-    assert {(t["decision"], t["reason"]) for t in decided.values()} == {("leave", "in_grace")}
+    assert {(t["action"], t["reason"]) for t in decided.values()} == {("leave", "in_grace")}
 
 
 @pytest.mark.parametrize(

@@ -26,13 +26,14 @@ from django.db import connection, transaction
 from django.utils import timezone
 from django_celery_results.models import TaskResult
 
-from celery_orphans import broker, sweep
-from celery_orphans.candidates import BootScope
+from celery_orphans import sweep
 from celery_orphans.exceptions import SweepLocked
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action
 from celery_orphans.store import Keys, client
+from celery_orphans.sweep import broker, runner
+from celery_orphans.sweep.candidates import BootScope
 from celery_orphans.tasks import reconcile
 from tests import factories
 from tests.conftest import _database_url
@@ -156,7 +157,7 @@ def unlocked() -> Any:
 def test_without_the_lock_concurrent_sweeps_still_recover_each_orphan_exactly_once(
     n: int, orphans: list[str], redis_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sweep, "sweep_lock", unlocked)
+    monkeypatch.setattr(runner, "sweep_lock", unlocked)
 
     results = together(mix(n, orphans))
 
@@ -171,7 +172,7 @@ def test_a_sweep_that_looks_between_anothers_claim_and_commit_does_not_send_the_
 ) -> None:
     settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 0.05
     task_id = factories.orphan()
-    monkeypatch.setattr(sweep, "sweep_lock", unlocked)
+    monkeypatch.setattr(runner, "sweep_lock", unlocked)
     publish = broker.publish
     second: dict[str, Any] = {}
 

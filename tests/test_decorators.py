@@ -11,7 +11,7 @@ from testproject.celery import app as project_app
 
 from celery_orphans import recoverable
 from celery_orphans.registry import RecoveryPolicy, policy_for
-from celery_orphans.request import RecoverableRequestMixin
+from celery_orphans.worker.request import RecoverableRequestMixin
 
 
 class CustomRequest(Request):

@@ -34,12 +34,13 @@ from kombu.exceptions import KombuError
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.messaging import Producer
 
-from celery_orphans import actions, broker, liveness, sweep
+from celery_orphans import sweep
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
+from celery_orphans.sweep import actions, broker, liveness, runner
 from tests import factories
 from tests.conftest import _database_url
 from tests.services import RedisServer
@@ -386,7 +387,7 @@ def test_a_sweep_gives_the_garbage_collector_back_as_it_found_it_even_when_it_fa
         collecting.append(gc.isenabled())
         raise redis.ConnectionError("injected: Redis went away as the sweep gathered")
 
-    monkeypatch.setattr(sweep, "find", redis_gone)
+    monkeypatch.setattr(runner, "find", redis_gone)
     (gc.enable if enabled else gc.disable)()
     try:
         with pytest.raises(LedgerUnavailable):

@@ -25,7 +25,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from celery_orphans import registry, sweep
-from celery_orphans.ledger import Delivery, Entry
+from celery_orphans.entry import Delivery, Entry
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client

@@ -20,8 +20,10 @@ from pytest_django import Settings
 
 from celery_orphans import leases, store
 from celery_orphans.conf import settings as orphans_settings
-from celery_orphans.leases import Heartbeat, fresh_boots
+from celery_orphans.leases import fresh_boots
 from celery_orphans.store import Keys
+from celery_orphans.worker import heartbeat as heartbeats
+from celery_orphans.worker.heartbeat import Heartbeat
 
 MakeBeat = Callable[..., Heartbeat]
 
@@ -51,7 +53,7 @@ def beat(redis_client: redis.Redis) -> Iterator[MakeBeat]:
     yield make
     for heartbeat in made:
         heartbeat.stop()
-    leases.stop()
+    heartbeats.stop()
 
 
 @pytest.fixture
@@ -369,25 +371,25 @@ def test_a_forked_child_never_renews_its_parents_lease(
 def test_start_twice_in_one_process_returns_the_same_heartbeat(
     beat: MakeBeat, redis_client: redis.Redis, node: str
 ) -> None:
-    first = leases.start(node)
-    second = leases.start(node)
+    first = heartbeats.start(node)
+    second = heartbeats.start(node)
 
     assert second is first
-    assert leases.current() is first
+    assert heartbeats.current() is first
     assert boots_of(redis_client, node) == {first.boot}
 
-    leases.stop()
+    heartbeats.stop()
 
-    assert leases.current() is None
+    assert heartbeats.current() is None
     assert redis_client.exists(lease_key(first)) == 0
     assert boots_of(redis_client, node) == set()
 
 
 def test_no_heartbeat_is_current_before_start(beat: MakeBeat) -> None:
-    leases.stop()
+    heartbeats.stop()
 
-    assert leases.current() is None
-    leases.stop()  # stopping nothing is harmless
+    assert heartbeats.current() is None
+    heartbeats.stop()  # stopping nothing is harmless
 
 
 # --- Redis failures -------------------------------------------------------------------------------
@@ -402,11 +404,13 @@ def test_renew_survives_redis_being_unreachable_and_warns_once_per_outage(
     node: str,
 ) -> None:
     heartbeat = beat(node)
-    caplog.set_level(logging.INFO, logger="celery_orphans.leases")
+    caplog.set_level(logging.INFO, logger="celery_orphans.worker.heartbeat")
 
     def logged(level: int) -> list[str]:
         return [
-            r.getMessage() for r in caplog.records if r.name == "celery_orphans.leases" and r.levelno == level
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "celery_orphans.worker.heartbeat" and r.levelno == level
         ]
 
     settings.CELERY_ORPHANS_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
@@ -436,7 +440,7 @@ def test_a_running_heartbeat_outlives_an_outage(
 ) -> None:
     heartbeat = beat(node)
     short_lease.CELERY_ORPHANS_REDIS_URL = "redis://127.0.0.1:1/0"
-    with caplog.at_level(logging.WARNING, logger="celery_orphans.leases"):
+    with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.heartbeat"):
         heartbeat.start()
         wait_for(lambda: heartbeat._failing, what="the heartbeat to meet the outage")
 

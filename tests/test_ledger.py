@@ -7,6 +7,7 @@ import dataclasses
 import json
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,21 +15,26 @@ import redis
 from django.conf import settings as django_settings
 from kombu import Connection, Message
 
-from celery_orphans import ledger as ledger_module
-from celery_orphans.actions import ALL_RETRIES
-from celery_orphans.ledger import (
+from celery_orphans import scripts
+from celery_orphans.entry import (
     ENTRY_VERSION,
     HEADER,
-    Admission,
     Delivery,
     Entry,
-    Fence,
-    Ledger,
+    Unreadable,
     delivery_from_message,
     recovery_attempt,
 )
+from celery_orphans.ledger import Admission, Fence, Ledger
 from celery_orphans.store import Keys, client
+from celery_orphans.sweep.actions import ALL_RETRIES
 from tests.workers import wait_for
+
+
+def admit(ledger: Ledger, entry: Entry, releases: Sequence[tuple[str, str]] = ()) -> bool:
+    """Record ``entry``, as a worker's checked write does; ``False`` means its copy is stale."""
+    return ledger.admit_delivery(entry, releases).admitted
+
 
 TTL = 3600
 
@@ -85,7 +91,7 @@ def inflight(ledger: Ledger) -> set[str]:
 def test_admit_records_the_entry_and_indexes_it_as_in_flight(ledger: Ledger) -> None:
     e = entry("t")
 
-    assert ledger.admit(e) is True
+    assert admit(ledger, e) is True
 
     assert ledger.load(["t"]) == {"t": e}
     assert ledger.load(["t"])["t"].token == e.token  # type: ignore[union-attr]
@@ -94,7 +100,7 @@ def test_admit_records_the_entry_and_indexes_it_as_in_flight(ledger: Ledger) -> 
 
 
 def test_load_answers_none_for_a_task_without_an_entry(ledger: Ledger) -> None:
-    ledger.admit(entry("t"))
+    ledger.admit_delivery(entry("t"))
 
     assert ledger.load(["t", "absent"])["absent"] is None
     assert ledger.load([]) == {}
@@ -115,7 +121,7 @@ def test_an_entry_round_trips_every_field_of_the_delivery(ledger: Ledger) -> Non
         delivery_tag=None,
     )
     e = dataclasses.replace(entry("t"), delivery=d, recorded_at=1234.5678)
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     loaded = ledger.load(["t"])["t"]
 
@@ -126,7 +132,7 @@ def test_an_entry_round_trips_every_field_of_the_delivery(ledger: Ledger) -> Non
 
 def test_release_with_the_writing_token_removes_the_entry_and_its_index(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     assert ledger.release("t", e.token) is True
 
@@ -136,7 +142,7 @@ def test_release_with_the_writing_token_removes_the_entry_and_its_index(ledger: 
 
 def test_release_with_another_token_removes_nothing(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     assert ledger.release("t", "not-the-token") is False
     assert ledger.release("t", "") is False
@@ -147,8 +153,8 @@ def test_release_with_another_token_removes_nothing(ledger: Ledger) -> None:
 
 def test_a_newer_execution_survives_the_release_of_an_older_one(ledger: Ledger) -> None:
     older, newer = entry("t"), entry("t", recorded_at=2000.0)
-    ledger.admit(older)
-    ledger.admit(newer)  # the same task delivered again, e.g. restored by the transport
+    ledger.admit_delivery(older)
+    ledger.admit_delivery(newer)  # the same task delivered again, e.g. restored by the transport
 
     assert ledger.release("t", older.token) is False
 
@@ -162,9 +168,9 @@ def test_releasing_an_absent_entry_is_a_no_op(ledger: Ledger) -> None:
 
 def test_release_many_removes_only_the_entries_still_carrying_their_token(ledger: Ledger) -> None:
     a, b, newer_b = entry("a"), entry("b"), entry("b")
-    ledger.admit(a)
-    ledger.admit(b)
-    ledger.admit(newer_b)  # b delivered again since its release was queued
+    ledger.admit_delivery(a)
+    ledger.admit_delivery(b)
+    ledger.admit_delivery(newer_b)  # b delivered again since its release was queued
 
     assert ledger.release_many([("a", a.token), ("b", b.token)]) == 1
     assert ledger.load(["a", "b"]) == {"a": None, "b": newer_b}
@@ -173,12 +179,12 @@ def test_release_many_removes_only_the_entries_still_carrying_their_token(ledger
 
 def test_an_admit_carries_the_releases_of_finished_tasks(ledger: Ledger) -> None:
     done, rewritten, rewritten_again = entry("done"), entry("again"), entry("again")
-    ledger.admit(done)
-    ledger.admit(rewritten)
-    ledger.admit(rewritten_again)
+    ledger.admit_delivery(done)
+    ledger.admit_delivery(rewritten)
+    ledger.admit_delivery(rewritten_again)
     following = entry("next")
 
-    admitted = ledger.admit_delivery(following, [("done", done.token), ("again", rewritten.token)]).admitted
+    admitted = admit(ledger, following, [("done", done.token), ("again", rewritten.token)])
 
     assert admitted
     assert ledger.load(["done", "again", "next"]) == {
@@ -193,19 +199,19 @@ def test_an_admit_removes_the_released_entry_of_the_same_task_before_writing_the
     ledger: Ledger,
 ) -> None:
     first, redelivered = entry("t"), entry("t")
-    ledger.admit(first)
+    ledger.admit_delivery(first)
 
-    assert ledger.admit_delivery(redelivered, [("t", first.token)]).admitted
+    assert ledger.admit_delivery(redelivered, [("t", first.token)])
     assert ledger.load(["t"]) == {"t": redelivered}
     assert inflight(ledger) == {"t"}
 
 
 def test_a_refused_copy_still_carries_its_releases(ledger: Ledger) -> None:
     done = entry("done")
-    ledger.admit(done)
+    ledger.admit_delivery(done)
     claim(ledger, "t", "terminal")
 
-    admitted = ledger.admit_delivery(entry("t"), [("done", done.token)]).admitted
+    admitted = admit(ledger, entry("t"), [("done", done.token)])
 
     assert not admitted
     assert ledger.load(["done", "t"]) == {"done": None, "t": None}
@@ -226,7 +232,7 @@ def test_load_with_fences_reads_entries_and_fences_in_chunks(
     monkeypatch.setattr("celery_orphans.ledger.LOAD_CHUNK", 2)
     entries = {task_id: entry(task_id) for task_id in ("a", "b", "c")}
     for e in entries.values():
-        ledger.admit(e)
+        ledger.admit_delivery(e)
     claim(ledger, "b", "recover", token=entries["b"].token)
 
     ledger.mark_sent("b", entries["b"].token)
@@ -240,12 +246,11 @@ def test_load_with_fences_reads_entries_and_fences_in_chunks(
         "c": Fence(),
         "absent": Fence(),
     }
-    assert fences == ledger.fences(["a", "b", "c", "absent"])
 
 
 def test_older_than_lists_only_entries_recorded_before_the_cutoff(ledger: Ledger) -> None:
     for task_id, at in [("a", 100.0), ("b", 200.0), ("c", 300.0)]:
-        ledger.admit(entry(task_id, recorded_at=at))
+        ledger.admit_delivery(entry(task_id, recorded_at=at))
 
     assert sorted(ledger.older_than(250.0)) == ["a", "b"]
     assert ledger.older_than(99.0) == []
@@ -254,15 +259,15 @@ def test_older_than_lists_only_entries_recorded_before_the_cutoff(ledger: Ledger
 
 def test_older_than_forgets_a_released_entry(ledger: Ledger) -> None:
     e = entry("a", recorded_at=100.0)
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     ledger.release("a", e.token)
 
     assert ledger.older_than(1e12) == []
 
 
 def test_older_than_uses_the_latest_admission(ledger: Ledger) -> None:
-    ledger.admit(entry("a", recorded_at=100.0))
-    ledger.admit(entry("a", recorded_at=500.0))
+    ledger.admit_delivery(entry("a", recorded_at=100.0))
+    ledger.admit_delivery(entry("a", recorded_at=500.0))
 
     assert ledger.older_than(250.0) == []
 
@@ -321,12 +326,12 @@ def test_load_reports_an_unreadable_entry_instead_of_raising(
     ledger: Ledger, redis_client: redis.Redis, raw: str | bytes, message: str
 ) -> None:
     redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": raw})
-    ledger.admit(entry("good"))
+    ledger.admit_delivery(entry("good"))
 
     found = ledger.load(["t", "good"])
 
-    assert isinstance(found["t"], str)
-    assert message in found["t"]
+    assert isinstance(found["t"], Unreadable)
+    assert message in found["t"].reason
     assert isinstance(found["good"], Entry)  # one bad entry does not hide the others
 
 
@@ -359,15 +364,15 @@ def test_a_delivery_that_could_not_be_sent_again_as_stored_is_unreadable(
 
     found = ledger.load(["t"])["t"]
 
-    assert isinstance(found, str)
-    assert message in found
+    assert isinstance(found, Unreadable)
+    assert message in found.reason
 
 
 # --- claim and the fence --------------------------------------------------------------------------
 
 
 def test_attempts_are_zero_before_any_recovery(ledger: Ledger) -> None:
-    ledger.admit(entry("t"))
+    ledger.admit_delivery(entry("t"))
 
     assert ledger.attempts(["t", "never-seen"]) == {"t": 0, "never-seen": 0}
     assert ledger.attempts([]) == {}
@@ -377,7 +382,7 @@ def test_a_recover_claim_counts_the_attempt_and_keeps_the_entry_until_the_resend
     ledger: Ledger,
 ) -> None:
     e = entry("t", retries=2)
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "recover", token=e.token, attempts=0, retries=2) == 1
     assert ledger.attempts(["t"]) == {"t": 1}
@@ -385,15 +390,15 @@ def test_a_recover_claim_counts_the_attempt_and_keeps_the_entry_until_the_resend
     assert inflight(ledger) == {"t"}
 
     again = entry("t", retries=2, attempt=1)
-    ledger.admit(again)
+    ledger.admit_delivery(again)
     assert claim(ledger, "t", "recover", token=again.token, attempts=1, retries=2) == 2
     assert ledger.attempts(["t"]) == {"t": 2}
 
 
 def test_a_claim_is_refused_when_the_entry_was_replaced(ledger: Ledger) -> None:
     observed, replaced = entry("t"), entry("t")
-    ledger.admit(observed)
-    ledger.admit(replaced)  # a worker picked the task up after the sweep looked
+    ledger.admit_delivery(observed)
+    ledger.admit_delivery(replaced)  # a worker picked the task up after the sweep looked
 
     for mode in ("recover", "terminal", "forget"):
         assert claim(ledger, "t", mode, token=observed.token) is None
@@ -404,7 +409,7 @@ def test_a_claim_is_refused_when_the_entry_was_replaced(ledger: Ledger) -> None:
 
 def test_a_claim_is_refused_when_the_entry_appeared_or_vanished(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     assert claim(ledger, "t", "terminal", token="") is None  # observed absent, now present
 
     ledger.release("t", e.token)
@@ -414,7 +419,7 @@ def test_a_claim_is_refused_when_the_entry_appeared_or_vanished(ledger: Ledger) 
 
 def test_a_claim_is_refused_when_the_attempt_count_moved(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
 
     for mode in ("recover", "terminal", "forget"):
@@ -426,7 +431,7 @@ def test_a_claim_is_refused_when_the_attempt_count_moved(ledger: Ledger) -> None
 
 def test_of_concurrent_claims_on_one_observation_exactly_one_wins(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     contenders = 8
     barrier = threading.Barrier(contenders)
     results: list[int | None] = []
@@ -453,7 +458,7 @@ def test_a_claim_that_raises_the_fence_gives_it_the_requested_ttl(
     ledger: Ledger, redis_client: redis.Redis, mode: str
 ) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=1234, mode=mode)
 
@@ -462,35 +467,35 @@ def test_a_claim_that_raises_the_fence_gives_it_the_requested_ttl(
 
 def test_a_recover_claim_fences_off_older_copies_of_the_same_retry(ledger: Ledger) -> None:
     e = entry("t", retries=1)
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token, retries=1)
     first = entry("t", retries=1, attempt=1)
-    ledger.admit(first)  # the first recovery ran, and its worker died in turn
+    ledger.admit_delivery(first)  # the first recovery ran, and its worker died in turn
     claim(ledger, "t", "recover", token=first.token, attempts=1, retries=1)  # recovered twice: n = 2
 
-    assert ledger.admit(entry("t", retries=1)) is False  # the caller's original message
-    assert ledger.admit(entry("t", retries=1, attempt=1)) is False  # the first recovery's message
-    assert ledger.admit(entry("t", retries=0, attempt=2)) is False  # an earlier retry, however recovered
-    assert ledger.admit(entry("t", retries=1, attempt=2)) is True  # the current recovery
-    assert ledger.admit(entry("t", retries=1, attempt=3)) is True
-    assert ledger.admit(entry("t", retries=2)) is True  # the task retried itself since: a new message
+    assert admit(ledger, entry("t", retries=1)) is False  # the caller's original message
+    assert admit(ledger, entry("t", retries=1, attempt=1)) is False  # the first recovery's message
+    assert admit(ledger, entry("t", retries=0, attempt=2)) is False  # an earlier retry, however recovered
+    assert admit(ledger, entry("t", retries=1, attempt=2)) is True  # the current recovery
+    assert admit(ledger, entry("t", retries=1, attempt=3)) is True
+    assert admit(ledger, entry("t", retries=2)) is True  # the task retried itself since: a new message
 
 
 def test_a_refused_copy_leaves_the_current_entry_alone(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
     current = entry("t", attempt=1)
-    ledger.admit(current)
+    ledger.admit_delivery(current)
 
-    assert ledger.admit(entry("t")) is False
+    assert admit(ledger, entry("t")) is False
 
     assert ledger.load(["t"]) == {"t": current}
 
 
 def test_a_terminal_claim_removes_the_entry_and_fences_off_every_copy(ledger: Ledger) -> None:
     e = entry("t", retries=3)
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "terminal", token=e.token, retries=ALL_RETRIES) == 0
 
@@ -505,16 +510,19 @@ def test_a_terminal_claim_removes_the_entry_and_fences_off_every_copy(ledger: Le
         (ALL_RETRIES - 1, 9),
         (ALL_RETRIES, 9),
     ]:
-        assert ledger.admit(entry("t", retries=retries, attempt=attempt)) is False, (retries, attempt)
+        assert admit(ledger, entry("t", retries=retries, attempt=attempt)) is False, (
+            retries,
+            attempt,
+        )
     assert ledger.load(["t"]) == {"t": None}
 
 
 def test_a_terminal_claim_keeps_the_recovery_count(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
     recovered = entry("t", attempt=1)
-    ledger.admit(recovered)
+    ledger.admit_delivery(recovered)
 
     assert claim(ledger, "t", "terminal", token=recovered.token, attempts=1, retries=ALL_RETRIES) == 1
     assert ledger.attempts(["t"]) == {"t": 1}
@@ -524,26 +532,26 @@ def test_a_terminal_claim_works_for_a_task_with_no_entry(ledger: Ledger) -> None
     # A STARTED row without a ledger entry: the sweep observed no token.
     assert claim(ledger, "t", "terminal", token="", retries=ALL_RETRIES) == 0
 
-    assert ledger.admit(entry("t")) is False
+    assert admit(ledger, entry("t")) is False
 
 
 def test_a_forget_claim_removes_the_entry_and_raises_no_fence(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     e = entry("t", retries=2)
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "forget", token=e.token, retries=ALL_RETRIES) == 0
 
     assert ledger.load(["t"]) == {"t": None}
     assert inflight(ledger) == set()
     assert redis_client.exists(ledger.keys.fence("t")) == 0
-    assert ledger.admit(entry("t", retries=2)) is True
+    assert admit(ledger, entry("t", retries=2)) is True
 
 
 def test_a_forget_claim_leaves_an_existing_fence_as_it_was(ledger: Ledger, redis_client: redis.Redis) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
     fence = redis_client.hgetall(ledger.keys.fence("t"))
     ledger.unclaim("t", e.token)  # as a recovery that sent nothing does
@@ -551,14 +559,14 @@ def test_a_forget_claim_leaves_an_existing_fence_as_it_was(ledger: Ledger, redis
     assert claim(ledger, "t", "forget", token=e.token, attempts=1, retries=ALL_RETRIES) == 1
 
     assert redis_client.hgetall(ledger.keys.fence("t")) == fence
-    assert ledger.admit(entry("t")) is False  # still fenced against the pre-recovery copy
+    assert admit(ledger, entry("t")) is False  # still fenced against the pre-recovery copy
 
 
 def test_keys_live_under_the_configured_prefix(redis_client: redis.Redis, settings: Any) -> None:
     settings.CELERY_ORPHANS_KEY_PREFIX = "other_prefix"
     ledger = Ledger(client(), Keys.current())
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
 
     keys = {k.decode() for k in redis_client.keys("*")}
@@ -685,13 +693,13 @@ def test_delivery_retries_reads_only_an_integer(retries: object, expected: int) 
 
 def test_a_recover_claim_records_which_entry_it_claimed_and_sending_records_it_sent(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "recover", token=e.token) == 1
-    assert ledger.fences(["t"])["t"] == Fence(attempts=1, claimed=e.token, sent=None)
+    assert ledger.load_with_fences(["t"])[1]["t"] == Fence(attempts=1, claimed=e.token, sent=None)
     ledger.mark_sent("t", e.token)
 
-    fence = ledger.fences(["t", "never-seen"])
+    _, fence = ledger.load_with_fences(["t", "never-seen"])
     assert fence == {"t": Fence(attempts=1, claimed=e.token, sent=e.token), "never-seen": Fence()}
     assert fence["t"].sent_again(e)
     assert not fence["never-seen"].sent_again(e)
@@ -699,7 +707,7 @@ def test_a_recover_claim_records_which_entry_it_claimed_and_sending_records_it_s
 
 def test_an_entry_already_sent_is_never_claimed_for_recovery_again(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
     ledger.mark_sent("t", e.token)
 
@@ -716,18 +724,18 @@ def test_an_entry_already_sent_is_never_claimed_for_recovery_again(ledger: Ledge
 
 def test_completing_is_refused_for_an_entry_the_latest_recovery_did_not_claim(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "complete", token=e.token) is None  # never claimed
     claim(ledger, "t", "recover", token=e.token)
     newer = entry("t", attempt=1)
-    ledger.admit(newer)  # the copy sent again started: its entry is not the claimed one
+    ledger.admit_delivery(newer)  # the copy sent again started: its entry is not the claimed one
     assert claim(ledger, "t", "complete", token=newer.token, attempts=1) is None
 
 
 def test_a_recover_claim_keeps_other_sweeps_off_the_entry_until_lifted(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
 
     # A sweep that looked after the claim sees the same token and the new count: still refused.
@@ -743,8 +751,8 @@ def test_a_recover_claim_lapses_so_a_dead_claimers_task_is_judged_again(
     ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     e = entry("t")
-    ledger.admit(e)
-    monkeypatch.setattr(ledger_module, "CLAIM_SECONDS", 1)
+    ledger.admit_delivery(e)
+    monkeypatch.setattr(scripts, "CLAIM_SECONDS", 1)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
     assert claim(ledger, "t", "recover", token=e.token, attempts=1) is None
 
@@ -753,10 +761,10 @@ def test_a_recover_claim_lapses_so_a_dead_claimers_task_is_judged_again(
 
 def test_a_claim_on_an_older_entry_does_not_hold_off_the_one_that_replaced_it(ledger: Ledger) -> None:
     e = entry("t")
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
     recovered = entry("t", attempt=1)
-    ledger.admit(recovered)  # a worker runs the recovered copy, then dies in turn
+    ledger.admit_delivery(recovered)  # a worker runs the recovered copy, then dies in turn
 
     assert claim(ledger, "t", "recover", token=recovered.token, attempts=1) == 2
     assert not ledger.unclaim("t", e.token)
@@ -809,7 +817,7 @@ def test_a_counted_redelivery_stays_the_current_copy_and_is_counted_each_time_it
         previous = again
 
     assert ledger.load(["t"]) == {"t": previous}
-    assert ledger.admit(entry("t")) is False  # the caller's original is still stale
+    assert admit(ledger, entry("t")) is False  # the caller's original is still stale
 
 
 def test_a_redelivery_at_the_cap_is_admitted_uncounted_for_the_worker_to_mark_terminal(

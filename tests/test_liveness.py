@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_orphans import liveness
+from celery_orphans.sweep import liveness
 from tests.test_recovery import started_on
 from tests.workers import wait_for
 

@@ -13,10 +13,10 @@ from contextlib import contextmanager
 import pytest
 from django.db import DatabaseError, OperationalError, connection, transaction
 
-from celery_orphans import locks
 from celery_orphans.exceptions import SweepLocked
-from celery_orphans.locks import ADVISORY_LOCK_ID, sweep_lock
 from celery_orphans.store import Keys
+from celery_orphans.sweep import lock as locks
+from celery_orphans.sweep.lock import ADVISORY_LOCK_ID, sweep_lock
 from tests.workers import wait_for
 
 postgres_only = pytest.mark.skipif(

@@ -60,7 +60,7 @@ def test_every_sweep_logs_one_summary_line_with_its_counts(redis_client, caplog,
     with caplog.at_level(logging.DEBUG, logger="celery_orphans"):
         sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=1, dry_run=dry_run, shadow=shadow))
 
-    (line,) = messages(caplog, "celery_orphans.sweep")
+    (line,) = messages(caplog, "celery_orphans.sweep.runner")
     assert line.levelno == logging.INFO
     found = SUMMARY.match(line.getMessage())
     assert found, line.getMessage()
@@ -72,7 +72,7 @@ def test_a_sweep_with_nothing_to_judge_logs_its_summary_at_debug_level(redis_cli
     with caplog.at_level(logging.DEBUG, logger="celery_orphans"):
         sweep.run(sweep.Options(trigger=Trigger.COMMAND))
 
-    (line,) = messages(caplog, "celery_orphans.sweep")
+    (line,) = messages(caplog, "celery_orphans.sweep.runner")
     assert line.levelno == logging.DEBUG
     assert SUMMARY.match(line.getMessage())
 
@@ -91,7 +91,7 @@ def test_every_action_logs_one_line_with_the_task_id_name_worker_and_reason(redi
     with caplog.at_level(logging.INFO, logger="celery_orphans"):
         sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=1, shadow=shadow))
 
-    lines = [r.getMessage() for r in messages(caplog, "celery_orphans.actions")]
+    lines = [r.getMessage() for r in messages(caplog, "celery_orphans.sweep.actions")]
     assert len(lines) == len(expected)
     for task_id, (name, reason) in expected.items():
         (line,) = [line for line in lines if task_id in line]

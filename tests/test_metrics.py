@@ -6,8 +6,9 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_orphans import leases, sweep
+from celery_orphans import sweep
 from celery_orphans.models import Trigger
+from celery_orphans.worker import heartbeat
 from tests import factories
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -24,7 +25,7 @@ def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_recoveries_terminal_marks_sweeps_and_time_since_the_last_heartbeat_are_exported(redis_client):
     before = scrape()
-    beat = leases.Heartbeat(factories.GHOST, boot="dead-boot")
+    beat = heartbeat.Heartbeat(factories.GHOST, boot="dead-boot")
     beat.renew()  # the dead worker's last beat
     redis_client.delete(beat.keys.lease(beat.node, beat.boot))  # ...and its lease has lapsed
     factories.orphan("demoapp.summarize")

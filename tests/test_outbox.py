@@ -6,16 +6,23 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 
 import pytest
 import redis
 
-from celery_orphans.ledger import Entry, Ledger
-from celery_orphans.outbox import Outbox
+from celery_orphans.entry import Entry
+from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
+from celery_orphans.worker.outbox import Outbox
 from tests.test_leases import exit_code_of
 from tests.test_ledger import entry
 from tests.workers import wait_for
+
+
+def admit(ledger: Ledger, entry: Entry, releases: Sequence[tuple[str, str]] = ()) -> bool:
+    """Record ``entry``, as a worker's checked write does; ``False`` means its copy is stale."""
+    return ledger.admit_delivery(entry, releases).admitted
 
 
 @pytest.fixture
@@ -30,7 +37,7 @@ def recovered_once(redis_client: redis.Redis, task_id: str) -> None:
 
 def admitted(ledger: Ledger, task_id: str) -> Entry:
     e = entry(task_id, token=uuid.uuid4().hex)
-    ledger.admit(e)
+    ledger.admit_delivery(e)
     return e
 
 
@@ -88,7 +95,7 @@ def test_an_error_answer_is_logged_and_the_connection_stays_usable(
     outbox = Outbox(delay=60)
     redis_client.set(Keys.current().fence("bad"), "not a hash")  # the write fails inside Redis
 
-    with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
+    with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
         outbox.admit(ledger, entry("bad"))
         outbox.admit(ledger, entry("good"))
         outbox.settle()
@@ -104,7 +111,7 @@ def test_a_copy_whose_fence_moved_on_is_logged_as_a_task_id_sent_twice(
     outbox = Outbox(delay=60)
     recovered_once(redis_client, "twice")
 
-    with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
+    with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
         outbox.admit(ledger, entry("twice"))
         outbox.settle()
 
@@ -177,7 +184,7 @@ def test_answers_are_read_by_the_thread_without_another_write(
     outbox = Outbox(delay=0.05)
     recovered_once(redis_client, "twice")
 
-    with caplog.at_level(logging.WARNING, logger="celery_orphans.outbox"):
+    with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
         outbox.admit(ledger, entry("twice"))
         wait_for(lambda: "was the same task id sent twice?" in caplog.text, 5, "the answer to be read")
 

@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 from celery.worker import state
 
-from celery_orphans.redelivery import first_hand, limits, marks_redeliveries
+from celery_orphans.worker.redelivery import first_hand, limits, marks_redeliveries
 
 
 class Held:

@@ -171,10 +171,10 @@ def test_the_command_knows_tasks_from_a_project_package_and_the_imports_and_incl
     )
 
     assert out.returncode == 0, out.stderr
-    decisions = {o["id"]: o for o in map(json.loads, out.stdout.splitlines()) if o.get("id") in ids}
+    outcomes = {o["task_id"]: o for o in map(json.loads, out.stdout.splitlines())}
     for task_id, name in ids.items():
-        assert decisions[task_id]["reason"] == "recoverable", f"{name}, found by {PROJECT_TASKS[name]}"
-        assert decisions[task_id]["decision"] == "recover"
+        assert outcomes[task_id]["reason"] == "recoverable", f"{name}, found by {PROJECT_TASKS[name]}"
+        assert outcomes[task_id]["action"] == "recover"
 
 
 def test_the_checks_see_a_task_that_only_the_imports_setting_names(tmp_path: Path) -> None:

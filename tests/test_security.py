@@ -21,12 +21,13 @@ from django.core.management import CommandError, call_command
 from django.urls import reverse
 from django_celery_results.models import TaskResult
 
-from celery_orphans import broker, sweep
+from celery_orphans import sweep
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
+from celery_orphans.sweep import broker
 from tests import factories
 from tests.services import RedisServer
 from tests.workers import wait_for

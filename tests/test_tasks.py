@@ -14,8 +14,8 @@ from django.utils import timezone
 from django_celery_results.models import TaskResult
 
 from celery_orphans import tasks
-from celery_orphans.locks import sweep_lock
 from celery_orphans.models import OrphanEvent
+from celery_orphans.sweep.lock import sweep_lock
 from celery_orphans.tasks import reconcile
 
 DISABLED_LINE = "celery-orphans: CELERY_ORPHANS_ENABLED is off; the reconcile task does nothing"

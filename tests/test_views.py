@@ -13,9 +13,9 @@ from django.urls import reverse
 from django_celery_results.models import TaskResult
 from kombu.exceptions import OperationalError
 
-from celery_orphans import sweep, views
-from celery_orphans.leases import Heartbeat
+from celery_orphans import operations, sweep, views
 from celery_orphans.models import OrphanEvent
+from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
 from tests.test_admin import event, sweep_lock_held_elsewhere
 
@@ -92,7 +92,7 @@ def test_status_counts_running_tasks_and_orphans_by_verdict(ops, settings):
 
     assert response.status_code == 200
     body = response.json()
-    zero = {verdict.value: 0 for verdict in views.Verdict}
+    zero = {verdict.value: 0 for verdict in operations.Verdict}
     assert body["in_flight"] == {
         **zero,
         "total": 4,
@@ -281,7 +281,7 @@ def test_a_recovery_that_fails_part_way_is_a_503_naming_the_task(ops, monkeypatc
     def broker_down(*args: object, **kwargs: object) -> None:
         raise OperationalError("the broker is down")
 
-    monkeypatch.setattr("celery_orphans.broker.publish", broker_down)
+    monkeypatch.setattr("celery_orphans.sweep.broker.publish", broker_down)
     orphan = factories.orphan()
 
     response = post(ops, {"task_ids": [orphan]})

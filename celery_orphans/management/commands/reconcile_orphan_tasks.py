@@ -105,42 +105,16 @@ class Command(BaseCommand):
         outcomes = [o for o in report.outcomes if options["all"] or o.decision.action is not Action.LEAVE]
         if options["json"]:
             for o in outcomes:
-                self.stdout.write(json.dumps(_as_dict(o, report.dry_run)))
+                self.stdout.write(json.dumps(o.as_json()))
             return
         if outcomes:
             self.stdout.write(_table(outcomes))
         self.stdout.write(("Dry run: " if report.dry_run else "") + report.summary())
 
 
-def _as_dict(outcome: sweep.Outcome, dry_run: bool) -> dict[str, Any]:
-    d = outcome.decision
-    return {
-        "id": d.task_id,
-        "name": outcome.task_name,
-        "worker": outcome.worker,
-        "decision": d.action.value,
-        "reason": d.reason.value,
-        "evidence": d.evidence.value,
-        "detail": d.detail,
-        "attempt": d.attempt,
-        "done": outcome.done,
-        "dry_run": dry_run,
-        "error": outcome.error,
-    }
-
-
 def _table(outcomes: list[sweep.Outcome]) -> str:
-    header = ("TASK ID", "NAME", "WORKER", "DECISION", "REASON", "EVIDENCE")
-    lines = [
-        (
-            o.decision.task_id,
-            o.task_name,
-            o.worker,
-            o.decision.action.value,
-            o.decision.reason.value,
-            o.decision.evidence.value,
-        )
-        for o in outcomes
-    ]
+    columns = ("task_id", "task_name", "worker", "action", "reason", "evidence")
+    header = tuple(c.replace("_", " ").upper() for c in columns)
+    lines = [tuple(str(o.as_json()[c]) for c in columns) for o in outcomes]
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *lines])

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from celery_orphans.ledger import Admission, Entry, Ledger, admission
+from celery_orphans.entry import Entry
+from celery_orphans.ledger import Admission, Ledger, admission
 
 if TYPE_CHECKING:
     from redis.connection import AbstractConnection

@@ -6,27 +6,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone as dt_timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Celery
 
-from celery_orphans import audit, registry
-from celery_orphans.ledger import Entry, Fence, Ledger
+from celery_orphans import registry
+from celery_orphans.entry import Entry, Unreadable
+from celery_orphans.ledger import Fence, Ledger
 from celery_orphans.reconcile import Candidate, WorkerView
-from celery_orphans.rows import Row, rows_by_id, started_rows
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-
-@dataclass(frozen=True)
-class BootScope:
-    """A worker judging its own name's tasks at boot: what it holds now is exact, no broadcast needed."""
-
-    node: str
-    boot: str
-    booted_at: datetime
-    held: Callable[[], frozenset[str]]
+from celery_orphans.sweep import audit
+from celery_orphans.sweep.rows import Row, rows_by_id, started_rows
+from celery_orphans.sweep.values import BootScope
 
 
 def own_tasks(
@@ -120,12 +110,12 @@ def candidate(
     tasks: Mapping[str, Any],
     task_id: str,
     row: Row | None,
-    entry: Entry | str | None,
+    entry: Entry | Unreadable | None,
     attempts: int,
     sent_again: bool = False,
 ) -> Candidate:
     """Merge what the row and the ledger entry say about one task."""
-    problem = entry if isinstance(entry, str) else None
+    problem = entry.reason if isinstance(entry, Unreadable) else None
     entry = entry if isinstance(entry, Entry) else None
     name = entry.task_name if entry else (row.task_name if row else None)
     if entry and row and row.task_name and row.task_name != entry.task_name:

@@ -1,11 +1,20 @@
-"""Writing the audit log."""
+"""The record of what was done: a row in the audit log, and the signals once it is committed."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+from django.db import transaction
+from django.dispatch import Signal
+
 from celery_orphans.checkpoints import Saved
-from celery_orphans.models import Action as AuditAction
-from celery_orphans.models import OrphanEvent, Trigger
+from celery_orphans.models import AuditAction, OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Decision
+from celery_orphans.signals import orphan_detected, orphan_marked_terminal, orphan_recovered
+from celery_orphans.sweep.values import Outcome
+
+logger = logging.getLogger(__name__)
 
 _AUDITED = {
     Action.RECOVER: AuditAction.RECOVERED,
@@ -74,3 +83,40 @@ def recorded_recoveries(wanted: dict[str, tuple[int, float]]) -> set[str]:
         for task_id, attempt, created_at in found
         if attempt == wanted[task_id][0] and created_at.timestamp() >= wanted[task_id][1]
     }
+
+
+_FOLLOW_UP = {Action.RECOVER: orphan_recovered, Action.MARK_TERMINAL: orphan_marked_terminal}
+
+
+def announce(outcome: Outcome, trigger: Trigger) -> None:
+    """Send the signals for an action once the transaction it belongs to commits."""
+    follow_up = _FOLLOW_UP.get(outcome.decision.action)
+    if follow_up is None:
+        return
+    d = outcome.decision
+    arguments: dict[str, Any] = {
+        "task_id": d.task_id,
+        "task_name": outcome.task_name,
+        "worker": outcome.worker,
+        "evidence": d.evidence.value,
+        "reason": d.reason.value,
+        "attempt": d.attempt,
+        "trigger": str(trigger),
+    }
+
+    def send_both() -> None:
+        _send(orphan_detected, arguments)
+        _send(follow_up, arguments)
+
+    transaction.on_commit(send_both)
+
+
+def _send(signal: Signal, arguments: dict[str, Any]) -> None:
+    for receiver, result in signal.send_robust(sender=OrphanEvent, **arguments):
+        if isinstance(result, Exception):
+            logger.error(
+                "celery-orphans: a receiver of a celery-orphans signal raised for task %s: %r (%s)",
+                arguments["task_id"],
+                result,
+                getattr(receiver, "__qualname__", receiver),
+            )

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from celery import Celery
@@ -22,14 +22,15 @@ from django.db import DatabaseError, transaction
 from kombu import Connection
 from kombu.exceptions import KombuError, OperationalError
 
-from celery_orphans import audit, broker, leases, metrics, rows, signals
+from celery_orphans import leases, metrics
 from celery_orphans.checkpoints import CheckpointStore
 from celery_orphans.conf import settings
-from celery_orphans.ledger import Entry, Ledger
+from celery_orphans.entry import Entry
+from celery_orphans.ledger import Ledger
+from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action, Candidate, Decision, Evidence, Reason
-
-if TYPE_CHECKING:
-    from celery_orphans.sweep import Options, Outcome
+from celery_orphans.sweep import audit, broker, rows
+from celery_orphans.sweep.values import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,11 @@ class Moved(Exception):
 
 
 class Executor:
-    def __init__(self, app: Celery, ledger: Ledger, options: Options, now: datetime) -> None:
+    def __init__(self, app: Celery, ledger: Ledger, trigger: Trigger, now: datetime, user: str = "") -> None:
         self.app = app
         self.ledger = ledger
-        self.options = options
+        self.trigger = trigger
+        self.user = user
         self.now = now
         self._checkpoints = CheckpointStore(ledger.client, ledger.keys)
         # Claims (recover, complete) whose transaction has not committed yet, by task id: their entry token.
@@ -107,7 +109,7 @@ class Executor:
             # A redelivery's entry is the new execution's: the lost one's last beat is not at hand.
             self._count(done, None if redelivered else entry)
         if first_record:  # announced when the recovery's record is committed, once
-            signals.announce(done, self.options.trigger)
+            audit.announce(done, self.trigger)
         return done
 
     def _count(self, outcome: Outcome, entry: Entry | None) -> None:
@@ -143,8 +145,8 @@ class Executor:
         return {
             "task_name": outcome.task_name,
             "worker": outcome.worker,
-            "trigger": self.options.trigger,
-            "user": self.options.user,
+            "trigger": self.trigger,
+            "user": self.user,
         }
 
     def _claim(self, task_id: str, candidate: Candidate, entry: Entry | None, mode: str) -> int:

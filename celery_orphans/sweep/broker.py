@@ -10,7 +10,7 @@ from typing import Any
 from celery import Celery
 from kombu import Connection
 
-from celery_orphans.ledger import HEADER, Entry
+from celery_orphans.entry import HEADER, Entry
 from celery_orphans.reconcile import SAFE_CONTENT_TYPES
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The reconcile sweep: gather observations, let ``reconcile.decide`` judge them, carry out the decisions."""
+"""One sweep: gather what is running, let ``reconcile.decide`` judge it, carry the decisions out."""
 
 from __future__ import annotations
 
@@ -6,95 +6,33 @@ import contextlib
 import gc
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import redis
 from celery import Celery, current_app
 from django.utils import timezone
 
-from celery_orphans import actions, leases, liveness, metrics, registry
-from celery_orphans.candidates import BootScope, find, merge, own_tasks
+from celery_orphans import leases, metrics, registry
 from celery_orphans.conf import settings
-from celery_orphans.exceptions import CeleryOrphansError, LedgerUnavailable
-from celery_orphans.ledger import Entry, Ledger
-from celery_orphans.locks import sweep_lock
-from celery_orphans.models import Trigger
+from celery_orphans.entry import Entry
+from celery_orphans.exceptions import LedgerUnavailable
+from celery_orphans.ledger import Ledger
 from celery_orphans.reconcile import (
-    Action,
     Candidate,
-    Decision,
     Policy,
-    Reason,
     WorkerView,
     by_operator,
     decide,
     defer_excess,
 )
 from celery_orphans.store import Keys, client
+from celery_orphans.sweep import actions, liveness
+from celery_orphans.sweep.candidates import find, merge, own_tasks
+from celery_orphans.sweep.lock import sweep_lock
+from celery_orphans.sweep.values import Options, Outcome, Report, SweepFailed
 
 logger = logging.getLogger(__name__)
-
-
-class SweepFailed(CeleryOrphansError):
-    """The sweep stopped part way; what it finished is kept and the rest is found again next time."""
-
-    def __init__(self, message: str, report: Report) -> None:
-        super().__init__(message)
-        self.report = report
-
-
-@dataclass(frozen=True)
-class Options:
-    trigger: Trigger
-    dry_run: bool = False
-    grace_seconds: float | None = None
-    max_attempts: int | None = None
-    user: str = ""
-    boot: BootScope | None = None
-    shadow: bool | None = None  # None: CELERY_ORPHANS_SHADOW_MODE
-    task_ids: frozenset[str] | None = None  # judge only these tasks (an operator's selection)
-    acts: frozenset[Action] | None = None  # carry out only these actions; report the others
-    mark_terminal: bool = False  # an operator closes the selected orphans instead of recovering them
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One decision with the names a person needs to read it."""
-
-    decision: Decision
-    task_name: str
-    worker: str
-    done: bool = False  # the action was carried out (never in a dry run)
-    error: str | None = None  # why carrying it out failed; the sweep stopped there
-
-
-@dataclass
-class Report:
-    outcomes: list[Outcome] = field(default_factory=list)
-    duration: float = 0.0
-    dry_run: bool = False
-    shadow: bool = False
-
-    def count(self, action: Action, *, done_only: bool = False) -> int:
-        return sum(1 for o in self.outcomes if o.decision.action is action and (o.done or not done_only))
-
-    def summary(self) -> str:
-        acted = [o for o in self.outcomes if o.done or self.dry_run]
-        # A recovery sent by an earlier sweep is not counted again when this one finishes recording it.
-        completed = sum(1 for o in acted if o.decision.reason is Reason.ALREADY_SENT)
-        counts = Counter(o.decision.action for o in acted)
-        alive = self.count(Action.LEAVE)
-        verb = "would have " if self.dry_run or self.shadow else ""
-        finished = f", {verb}finished recording {completed} sent earlier" if completed else ""
-        return (
-            f"{verb}recovered {counts[Action.RECOVER] - completed} orphaned tasks, {verb}marked "
-            f"{counts[Action.MARK_TERMINAL]} terminal, {verb}forgotten {counts[Action.FORGET]} finished, "
-            f"{alive} alive or in grace, {self.count(Action.REPORT)} unreadable{finished}"
-            f" ({self.duration:.2f}s)"
-        )
 
 
 def run(options: Options, app: Celery | None = None) -> Report:
@@ -178,12 +116,15 @@ def _sweep(app: Celery, options: Options, executors: list[actions.Executor]) -> 
             decisions = [by_operator(d) for d in decisions]
         # Only recoveries are limited per sweep: an operator closing orphans closes every one chosen.
         decisions = defer_excess(decisions, settings.MAX_RECOVERIES_PER_SWEEP)
-        outcomes = [Outcome(d, c.task_name or "", c.worker or "") for c, d in zip(candidates, decisions)]
+        outcomes = [
+            Outcome(d, c.task_name or "", c.worker or "", started_at=c.started_at, boot=c.boot)
+            for c, d in zip(candidates, decisions)
+        ]
     shadow = options.shadow if options.shadow is not None else settings.SHADOW_MODE
     report = Report(outcomes, dry_run=options.dry_run, shadow=shadow)
     if options.dry_run:
         return report
-    executor = actions.Executor(app, ledger, options, now)
+    executor = actions.Executor(app, ledger, options.trigger, now, options.user)
     executors.append(executor)
     for i, (candidate, outcome) in enumerate(zip(candidates, outcomes)):
         action = outcome.decision.action

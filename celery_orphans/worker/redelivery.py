@@ -3,8 +3,8 @@
 RabbitMQ puts a dead worker's unacknowledged messages back in the queue at once (the Redis transport
 after ``visibility_timeout``), so a worker runs the task again before any sweep can judge it, and a task
 that kills its worker every time would run for ever. The ledger's admit finds the unreleased entry of the
-lost execution and counts the delivery as a recovery, under the same cap as every other (ledger.py
-``_ADMIT``); the worker records it, and once the cap is reached marks the task terminal instead of
+lost execution and counts the delivery as a recovery, under the same cap as every other (``ADMIT``
+in scripts.py); the worker records it, and once the cap is reached marks the task terminal instead of
 running it, as it does when a pool process is lost.
 """
 
@@ -18,10 +18,13 @@ import redis
 from celery.worker import state
 from django.db import DatabaseError
 
-from celery_orphans import leases, registry
+from celery_orphans import registry
 from celery_orphans.conf import settings
-from celery_orphans.ledger import Admission, Entry
+from celery_orphans.entry import Entry
+from celery_orphans.ledger import Admission
 from celery_orphans.reconcile import after_redelivery
+from celery_orphans.worker import heartbeat
+from celery_orphans.worker.takeover import take_over
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +65,16 @@ def _running_here(request: Any) -> bool:
     return any(r.id == request.id and r is not request for r in state.active_requests)
 
 
-def take_over(request: Any, admission: Admission) -> bool:
+def record(request: Any, admission: Admission) -> bool:
     """Record a counted redelivery, or mark the task terminal at the cap; ``True``: do not run it."""
-    from celery_orphans import pool_loss
-
-    beat = leases.current()
+    beat = heartbeat.current()
     if beat is None:
         return False
     before = admission.attempts - 1 if admission.redelivered else admission.attempts
     decide = functools.partial(after_redelivery, limit_reached=admission.limit_reached)
     try:
         lost_on = admission.lost.node if isinstance(admission.lost, Entry) else None
-        outcome = pool_loss.act(request, beat, before, decide, lost_on)
+        outcome = take_over(request, beat, before, decide, lost_on)
     except (redis.RedisError, DatabaseError) as exc:
         # The count stands in the fence; only its record (or, at the cap, the terminal mark) is missing,
         # and the task runs, as it would have without celery-orphans.

@@ -1,0 +1,35 @@
+"""What celery-orphans does on Celery's signals; ``apps.py`` connects them, and each hands off at once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+from celery_orphans.conf import settings
+from celery_orphans.sweep import boot
+from celery_orphans.worker import heartbeat
+from celery_orphans.worker.outbox import outbox
+
+logger = logging.getLogger(__name__)
+
+
+def worker_ready(sender: Any = None, **kwargs: Any) -> None:
+    """Take a lease for this boot, then look for what the previous boot of this name left."""
+    node = getattr(sender, "hostname", None)
+    if not node:
+        return
+    try:
+        beat = heartbeat.start(node)
+    except ImproperlyConfigured as exc:
+        logger.error("celery-orphans: worker %s runs without a lease: %s", node, exc)
+        return
+    if settings.ENABLED and settings.BOOT_SWEEP:
+        boot.start(getattr(sender, "app", None), beat.node, beat.boot, timezone.now())
+
+
+def worker_shutdown(**kwargs: Any) -> None:
+    outbox.flush()  # the entries of tasks acknowledged just before the shutdown
+    heartbeat.stop()
