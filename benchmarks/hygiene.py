@@ -51,7 +51,8 @@ from django_celery_results.models import TaskResult  # noqa: E402
 
 from benchmarks.throughput import NODE, start_worker  # noqa: E402
 from celery_orphans.store import Keys, client  # noqa: E402
-from tests.workers import Worker, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.workers import Worker  # noqa: E402
 
 TOLERANCE = 0.01
 # How the tasks end, in parts of a thousand. Time limits cost a pool process (hard) or a second of

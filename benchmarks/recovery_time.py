@@ -54,7 +54,8 @@ from testproject.celery import app  # noqa: E402
 from benchmarks.interleave import spread  # noqa: E402
 from celery_orphans.conf import settings  # noqa: E402
 from celery_orphans.models import OrphanEvent  # noqa: E402
-from tests.workers import PROJECT, Worker, WorkerPool, process_tree, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.workers import PROJECT, Worker, WorkerPool, process_tree  # noqa: E402
 
 DEFAULT_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true"}
 MIN_TRIALS = 5  # fewer cannot judge a median or a 95th percentile

@@ -71,7 +71,8 @@ from celery_orphans.models import OrphanEvent, Trigger  # noqa: E402
 from celery_orphans.store import Keys, client  # noqa: E402
 from celery_orphans.sweep import rows as rows_module  # noqa: E402
 from tests.factories import delivery  # noqa: E402
-from tests.workers import Worker, WorkerPool, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.workers import Worker, WorkerPool  # noqa: E402
 
 TABLE = TaskResult._meta.db_table
 MARKER = "bench-sweep-scale-population"

@@ -52,7 +52,8 @@ from kombu.exceptions import OperationalError as KombuOperationalError  # noqa: 
 
 from benchmarks.interleave import charged_rates, thue_morse  # noqa: E402
 from celery_orphans.store import Keys, client  # noqa: E402
-from tests.workers import Worker, process_tree, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.workers import Worker, process_tree  # noqa: E402
 
 NODE = "throughput@bench"
 VARIANTS = ("plain", "ours")

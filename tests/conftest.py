@@ -3,16 +3,25 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
+import redis
+from celery import Celery
 from kombu import Connection, Exchange, Queue, pools
+from pytest_django import Settings
 
+from celery_orphans import store
+from celery_orphans.ledger import Ledger
+from celery_orphans.store import Keys, client
+from celery_orphans.worker import heartbeat as heartbeats
+from celery_orphans.worker.heartbeat import Heartbeat
+from tests.helpers import MakeBeat, database_url, wait_for
 from tests.services import Vhost
-from tests.workers import WorkerPool, wait_for
+from tests.workers import WorkerPool
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,6 +51,12 @@ def redis_client() -> Iterator[object]:
     client.flushdb()
     yield client
     client.close()
+
+
+@pytest.fixture
+def ledger(redis_client: object) -> Ledger:
+    """The ledger under the configured prefix, on the run's own Redis, emptied for the test."""
+    return Ledger(client(), Keys.current())
 
 
 @pytest.fixture(scope="session")
@@ -115,16 +130,10 @@ def celery_app() -> object:
     return app
 
 
-def _database_url() -> str:
-    from django.db import connection
-
-    s = connection.settings_dict
-    if s["ENGINE"].endswith("sqlite3"):
-        return f"sqlite:///{s['NAME']}"
-    auth = quote(s["USER"] or "")
-    if s["PASSWORD"]:
-        auth += ":" + quote(s["PASSWORD"])
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+@pytest.fixture
+def fresh_app() -> Celery:
+    """A Celery app of its own, without Django, so its defaults can differ from the test project's."""
+    return Celery("t", set_as_current=False, fixups=[])
 
 
 @pytest.fixture
@@ -132,7 +141,7 @@ def workers(
     tmp_path: Path, redis_client: object, transactional_db: None, request: pytest.FixtureRequest
 ) -> Iterator[WorkerPool]:
     """Start real workers with ``workers.start(name, pool=..., concurrency=..., queues=...)``."""
-    env = {**os.environ, "DATABASE_URL": _database_url(), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONPATH": str(Path(__file__).parent.parent)}
     pool = WorkerPool(tmp_path, env)
     yield pool
     pool.close()
@@ -166,3 +175,44 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     setattr(item, f"rep_{report.when}", report)
     return report
+
+
+# --- worker leases ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def node() -> str:
+    return f"celery@test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def beat(redis_client: redis.Redis) -> Iterator[MakeBeat]:
+    """Make heartbeats (read the settings in force at the call); every one is stopped afterwards."""
+    made: list[Heartbeat] = []
+
+    def make(node: str, *, boot: str | None = None) -> Heartbeat:
+        made.append(Heartbeat(node, boot))
+        return made[-1]
+
+    yield make
+    for heartbeat in made:
+        heartbeat.stop()
+    heartbeats.stop()
+
+
+@pytest.fixture
+def short_lease(settings: Settings) -> Settings:
+    """Leases that lapse in 0.5 s and are renewed every 0.1 s, so expiry is seen within a second."""
+    settings.CELERY_ORPHANS_LEASE_SECONDS = 0.5
+    settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = 0.1
+    return settings
+
+
+@pytest.fixture
+def own_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A client cache of this test's own, so a client made for a changed URL does not outlive it."""
+    clients: dict[str, redis.Redis] = {}
+    monkeypatch.setattr(store, "_clients", clients)
+    yield
+    for found in clients.values():
+        found.close()

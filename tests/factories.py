@@ -16,7 +16,7 @@ from django.utils import timezone
 from django_celery_results.models import TaskResult
 from kombu.serialization import dumps
 
-from celery_orphans.entry import Delivery, Entry
+from celery_orphans.entry import HEADER, Delivery, Entry
 from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
 
@@ -90,3 +90,39 @@ def orphan(
             ledger_entry(made, node=worker, recorded_at=started.timestamp())
         )
     return task_id
+
+
+# Entries of a made-up task ``demoapp.work``, for the ledger's own tests: no Celery message needed.
+
+
+def work_delivery(
+    *, task_id: str = "t", retries: int = 0, attempt: int | None = None, body: str = '[[1], {"x": 2}, {}]'
+) -> Delivery:
+    headers: dict[str, Any] = {"id": task_id, "task": "demoapp.work", "retries": retries}
+    if attempt is not None:
+        headers[HEADER] = {"attempt": attempt, "evidence": "no_reply_no_lease"}
+    return Delivery(
+        body=body,
+        body_encoding="utf-8",
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers=headers,
+        properties={"correlation_id": task_id, "priority": 0},
+        exchange="",
+        routing_key="celery",
+        delivery_tag="7",
+    )
+
+
+def work_entry(
+    task_id: str, *, recorded_at: float = 1000.0, token: str | None = None, **kwargs: Any
+) -> Entry:
+    return Entry(
+        task_id=task_id,
+        task_name="demoapp.work",
+        node="celery@host",
+        boot="boot-a",
+        recorded_at=recorded_at,
+        delivery=work_delivery(task_id=task_id, **kwargs),
+        token=token if token is not None else uuid.uuid4().hex,
+    )

@@ -20,7 +20,7 @@ from celery_orphans.store import Keys
 from celery_orphans.sweep.lock import ADVISORY_LOCK_ID
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
-from tests.workers import wait_for
+from tests.helpers import wait_for
 
 CHANGELIST = reverse("admin:celery_orphans_orphanevent_changelist")
 IN_FLIGHT = reverse("admin:celery_orphans_inflight")

@@ -25,7 +25,7 @@ from django_celery_results.models import TaskResult
 
 from testproject import urls as project_urls
 from tests import factories
-from tests.workers import wait_for
+from tests.helpers import wait_for
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 USERNAME = "browser-admin"

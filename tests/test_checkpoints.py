@@ -20,8 +20,8 @@ from celery_orphans.models import OrphanEvent
 from celery_orphans.reconcile import Action
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep.actions import ALL_RETRIES
+from tests.helpers import wait_for
 from tests.test_recovery import outcome_of, started_on, sweep_now
-from tests.workers import wait_for
 
 
 def store() -> CheckpointStore:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -17,8 +15,8 @@ from django_celery_results.models import TaskResult
 from celery_orphans import leases
 from celery_orphans.models import OrphanEvent
 from celery_orphans.sweep.lock import ADVISORY_LOCK_ID
-from tests.conftest import _database_url
-from tests.workers import ROOT, wait_for
+from tests import helpers
+from tests.helpers import wait_for
 
 NODE = "cmd@test"
 QUEUES = ("celery",)
@@ -56,21 +54,7 @@ def command(*args: str) -> tuple[str, str]:
 
 def manage(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the command as a script would: its own process, its exit code, its stdout and stderr."""
-    environ = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
-        "DATABASE_URL": _database_url(),
-        **(env or {}),
-    }
-    return subprocess.run(
-        [sys.executable, "testproject/manage.py", "reconcile_orphan_tasks", *args],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return helpers.manage("reconcile_orphan_tasks", *args, env=env)
 
 
 # The one JSON shape of an outcome, shared with the HTTP API (docs/api.md).

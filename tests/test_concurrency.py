@@ -36,9 +36,8 @@ from celery_orphans.sweep import broker, runner
 from celery_orphans.sweep.candidates import BootScope
 from celery_orphans.tasks import reconcile
 from tests import factories
-from tests.conftest import _database_url
+from tests.helpers import ROOT, database_url, wait_for
 from tests.test_locks import advisory_locks_held, postgres_only
-from tests.workers import ROOT, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -211,7 +210,7 @@ def test_lock_held_by_a_sweep_process_that_is_killed_mid_sweep_is_released(
     environ = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
-        "DATABASE_URL": _database_url(),
+        "DATABASE_URL": database_url(),
         "CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS": "60",
         "CELERY_ORPHANS_SWEEP_STALL_SECONDS": "120",  # above the wait, or the check E009 refuses it
     }

@@ -32,12 +32,6 @@ def unique(prefix: str) -> str:
 
 
 @pytest.fixture
-def fresh_app() -> Celery:
-    """An app of its own, so the app-wide acks_late default can differ from the test project's."""
-    return Celery("t", set_as_current=False, fixups=[])
-
-
-@pytest.fixture
 def project_names() -> Iterator[list[str]]:
     """Names of tasks a test registers on the test project's app, unregistered afterwards."""
     project_app.finalize(auto=True)

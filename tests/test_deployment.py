@@ -28,7 +28,8 @@ from celery_orphans import sweep
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action
 from tests import factories
-from tests.workers import BOOT_SWEEP_OFF, PROJECT, ROOT, Worker, WorkerPool, wait_for
+from tests.helpers import ROOT, wait_for
+from tests.workers import BOOT_SWEEP_OFF, PROJECT, Worker, WorkerPool
 
 DOCS = ROOT / "docs"
 SOFT_SHUTDOWN_TIMEOUT = 3.0

@@ -17,7 +17,7 @@ from django.test import override_settings
 from celery_orphans import checks
 from celery_orphans.conf import Setting, Settings
 from tests.celery_conf import patch_setting
-from tests.workers import ROOT
+from tests.helpers import ROOT
 
 DOCS = ROOT / "docs"
 TAG = "celery_orphans"

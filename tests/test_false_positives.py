@@ -13,8 +13,8 @@ from celery_orphans import sweep
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Evidence
 from celery_orphans.store import Keys
+from tests.helpers import wait_for
 from tests.test_recovery import finishes, outcome_of, started_on, starts
-from tests.workers import wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -42,9 +40,8 @@ from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep import actions, broker, liveness, runner
 from tests import factories
-from tests.conftest import _database_url
+from tests.helpers import ROOT, manage, wait_for
 from tests.services import RedisServer
-from tests.workers import ROOT, wait_for
 
 QUEUE = "celery"
 ORPHANS = 5
@@ -283,24 +280,6 @@ def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
 
 
 # --- what a caller sees --------------------------------------------------------------------------
-
-
-def manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    environ = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
-        "DATABASE_URL": _database_url(),
-        **env,
-    }
-    return subprocess.run(
-        [sys.executable, "testproject/manage.py", *args],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.mark.django_db(transaction=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT, wait_for
 from tests.services import RedisServer
-from tests.workers import ROOT, wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -2,33 +2,23 @@
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import threading
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import redis
-from django.conf import settings as django_settings
-from kombu import Connection, Message
 
 from celery_orphans import scripts
 from celery_orphans.entry import (
-    ENTRY_VERSION,
-    HEADER,
-    Delivery,
     Entry,
-    Unreadable,
-    delivery_from_message,
-    recovery_attempt,
 )
 from celery_orphans.ledger import Admission, Fence, Ledger
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep.actions import ALL_RETRIES
-from tests.workers import wait_for
+from tests.factories import work_entry
+from tests.helpers import wait_for
 
 
 def admit(ledger: Ledger, entry: Entry, releases: Sequence[tuple[str, str]] = ()) -> bool:
@@ -37,42 +27,6 @@ def admit(ledger: Ledger, entry: Entry, releases: Sequence[tuple[str, str]] = ()
 
 
 TTL = 3600
-
-
-@pytest.fixture
-def ledger(redis_client: redis.Redis) -> Ledger:
-    return Ledger(client(), Keys.current())
-
-
-def delivery(
-    *, task_id: str = "t", retries: int = 0, attempt: int | None = None, body: str = '[[1], {"x": 2}, {}]'
-) -> Delivery:
-    headers: dict[str, Any] = {"id": task_id, "task": "demoapp.work", "retries": retries}
-    if attempt is not None:
-        headers[HEADER] = {"attempt": attempt, "evidence": "no_reply_no_lease"}
-    return Delivery(
-        body=body,
-        body_encoding="utf-8",
-        content_type="application/json",
-        content_encoding="utf-8",
-        headers=headers,
-        properties={"correlation_id": task_id, "priority": 0},
-        exchange="",
-        routing_key="celery",
-        delivery_tag="7",
-    )
-
-
-def entry(task_id: str, *, recorded_at: float = 1000.0, token: str | None = None, **kwargs: Any) -> Entry:
-    return Entry(
-        task_id=task_id,
-        task_name="demoapp.work",
-        node="celery@host",
-        boot="boot-a",
-        recorded_at=recorded_at,
-        delivery=delivery(task_id=task_id, **kwargs),
-        token=token if token is not None else uuid.uuid4().hex,
-    )
 
 
 def claim(
@@ -89,7 +43,7 @@ def inflight(ledger: Ledger) -> set[str]:
 
 
 def test_admit_records_the_entry_and_indexes_it_as_in_flight(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
 
     assert admit(ledger, e) is True
 
@@ -100,38 +54,14 @@ def test_admit_records_the_entry_and_indexes_it_as_in_flight(ledger: Ledger) -> 
 
 
 def test_load_answers_none_for_a_task_without_an_entry(ledger: Ledger) -> None:
-    ledger.admit_delivery(entry("t"))
+    ledger.admit_delivery(work_entry("t"))
 
     assert ledger.load(["t", "absent"])["absent"] is None
     assert ledger.load([]) == {}
 
 
-def test_an_entry_round_trips_every_field_of_the_delivery(ledger: Ledger) -> None:
-    d = dataclasses.replace(
-        delivery(retries=2, attempt=1),
-        body=base64.b64encode(b"\x00\xff binary").decode(),
-        body_encoding="base64",
-        headers={
-            "id": "t",
-            "task": "demoapp.work",
-            "retries": 2,
-            "nested": {"list": [1, "two", None]},
-            HEADER: {"attempt": 1},
-        },
-        delivery_tag=None,
-    )
-    e = dataclasses.replace(entry("t"), delivery=d, recorded_at=1234.5678)
-    ledger.admit_delivery(e)
-
-    loaded = ledger.load(["t"])["t"]
-
-    assert loaded == e
-    assert isinstance(loaded, Entry)
-    assert loaded.delivery.raw_body() == b"\x00\xff binary"
-
-
 def test_release_with_the_writing_token_removes_the_entry_and_its_index(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
 
     assert ledger.release("t", e.token) is True
@@ -141,7 +71,7 @@ def test_release_with_the_writing_token_removes_the_entry_and_its_index(ledger: 
 
 
 def test_release_with_another_token_removes_nothing(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
 
     assert ledger.release("t", "not-the-token") is False
@@ -152,7 +82,7 @@ def test_release_with_another_token_removes_nothing(ledger: Ledger) -> None:
 
 
 def test_a_newer_execution_survives_the_release_of_an_older_one(ledger: Ledger) -> None:
-    older, newer = entry("t"), entry("t", recorded_at=2000.0)
+    older, newer = work_entry("t"), work_entry("t", recorded_at=2000.0)
     ledger.admit_delivery(older)
     ledger.admit_delivery(newer)  # the same task delivered again, e.g. restored by the transport
 
@@ -167,7 +97,7 @@ def test_releasing_an_absent_entry_is_a_no_op(ledger: Ledger) -> None:
 
 
 def test_release_many_removes_only_the_entries_still_carrying_their_token(ledger: Ledger) -> None:
-    a, b, newer_b = entry("a"), entry("b"), entry("b")
+    a, b, newer_b = work_entry("a"), work_entry("b"), work_entry("b")
     ledger.admit_delivery(a)
     ledger.admit_delivery(b)
     ledger.admit_delivery(newer_b)  # b delivered again since its release was queued
@@ -178,11 +108,11 @@ def test_release_many_removes_only_the_entries_still_carrying_their_token(ledger
 
 
 def test_an_admit_carries_the_releases_of_finished_tasks(ledger: Ledger) -> None:
-    done, rewritten, rewritten_again = entry("done"), entry("again"), entry("again")
+    done, rewritten, rewritten_again = work_entry("done"), work_entry("again"), work_entry("again")
     ledger.admit_delivery(done)
     ledger.admit_delivery(rewritten)
     ledger.admit_delivery(rewritten_again)
-    following = entry("next")
+    following = work_entry("next")
 
     admitted = admit(ledger, following, [("done", done.token), ("again", rewritten.token)])
 
@@ -198,7 +128,7 @@ def test_an_admit_carries_the_releases_of_finished_tasks(ledger: Ledger) -> None
 def test_an_admit_removes_the_released_entry_of_the_same_task_before_writing_the_new_one(
     ledger: Ledger,
 ) -> None:
-    first, redelivered = entry("t"), entry("t")
+    first, redelivered = work_entry("t"), work_entry("t")
     ledger.admit_delivery(first)
 
     assert ledger.admit_delivery(redelivered, [("t", first.token)])
@@ -207,22 +137,22 @@ def test_an_admit_removes_the_released_entry_of_the_same_task_before_writing_the
 
 
 def test_a_refused_copy_still_carries_its_releases(ledger: Ledger) -> None:
-    done = entry("done")
+    done = work_entry("done")
     ledger.admit_delivery(done)
     claim(ledger, "t", "terminal")
 
-    admitted = admit(ledger, entry("t"), [("done", done.token)])
+    admitted = admit(ledger, work_entry("t"), [("done", done.token)])
 
     assert not admitted
     assert ledger.load(["done", "t"]) == {"done": None, "t": None}
 
 
 def test_an_admit_tells_whether_the_task_has_a_checkpoint(ledger: Ledger, redis_client: redis.Redis) -> None:
-    first = ledger.admit_delivery(entry("t"))
+    first = ledger.admit_delivery(work_entry("t"))
     assert (first.admitted, first.checkpoint) == (True, False)
     redis_client.hset(Keys.current().checkpoint("t"), "value", "1")
 
-    second = ledger.admit_delivery(entry("t"))
+    second = ledger.admit_delivery(work_entry("t"))
     assert (second.admitted, second.checkpoint) == (True, True)
 
 
@@ -230,7 +160,7 @@ def test_load_with_fences_reads_entries_and_fences_in_chunks(
     ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("celery_orphans.ledger.LOAD_CHUNK", 2)
-    entries = {task_id: entry(task_id) for task_id in ("a", "b", "c")}
+    entries = {task_id: work_entry(task_id) for task_id in ("a", "b", "c")}
     for e in entries.values():
         ledger.admit_delivery(e)
     claim(ledger, "b", "recover", token=entries["b"].token)
@@ -250,7 +180,7 @@ def test_load_with_fences_reads_entries_and_fences_in_chunks(
 
 def test_older_than_lists_only_entries_recorded_before_the_cutoff(ledger: Ledger) -> None:
     for task_id, at in [("a", 100.0), ("b", 200.0), ("c", 300.0)]:
-        ledger.admit_delivery(entry(task_id, recorded_at=at))
+        ledger.admit_delivery(work_entry(task_id, recorded_at=at))
 
     assert sorted(ledger.older_than(250.0)) == ["a", "b"]
     assert ledger.older_than(99.0) == []
@@ -258,7 +188,7 @@ def test_older_than_lists_only_entries_recorded_before_the_cutoff(ledger: Ledger
 
 
 def test_older_than_forgets_a_released_entry(ledger: Ledger) -> None:
-    e = entry("a", recorded_at=100.0)
+    e = work_entry("a", recorded_at=100.0)
     ledger.admit_delivery(e)
     ledger.release("a", e.token)
 
@@ -266,113 +196,17 @@ def test_older_than_forgets_a_released_entry(ledger: Ledger) -> None:
 
 
 def test_older_than_uses_the_latest_admission(ledger: Ledger) -> None:
-    ledger.admit_delivery(entry("a", recorded_at=100.0))
-    ledger.admit_delivery(entry("a", recorded_at=500.0))
+    ledger.admit_delivery(work_entry("a", recorded_at=100.0))
+    ledger.admit_delivery(work_entry("a", recorded_at=500.0))
 
     assert ledger.older_than(250.0) == []
-
-
-# --- load: unreadable entries ---------------------------------------------------------------------
-
-
-_DROP = object()
-
-
-def _raw_entry(**changes: Any) -> str:
-    """A stored entry's JSON with fields changed, or left out when set to ``_DROP``."""
-    data = json.loads(entry("t").to_json())
-    data.update(changes)
-    return json.dumps({k: v for k, v in data.items() if v is not _DROP})
-
-
-@pytest.mark.parametrize(
-    ("raw", "message"),
-    [
-        pytest.param("{not json", "unreadable ledger entry", id="not-json"),
-        pytest.param(b"\xff\xfe", "unreadable ledger entry", id="not-utf8"),
-        pytest.param("[1, 2]", "of a known version", id="not-an-object"),
-        pytest.param(_raw_entry(version=ENTRY_VERSION + 1), "of a known version", id="newer-version"),
-        pytest.param(_raw_entry(version=_DROP), "of a known version", id="no-version"),
-        pytest.param(_raw_entry(delivery=_DROP), "unreadable ledger entry", id="no-delivery"),
-        pytest.param(_raw_entry(delivery="x"), "ledger entry has no delivery", id="delivery-not-an-object"),
-        pytest.param(_raw_entry(delivery={"body": "x"}), "unreadable ledger entry", id="delivery-incomplete"),
-        pytest.param(_raw_entry(surprise=1), "unreadable ledger entry", id="unknown-field"),
-        pytest.param(_raw_entry(task_id=_DROP), "unreadable ledger entry", id="no-task-id"),
-        pytest.param(
-            _raw_entry(task_name="demoapp.other"), "another task or id", id="headers-name-another-task"
-        ),
-        pytest.param(_raw_entry(node=""), "node is empty", id="no-node"),
-        pytest.param(_raw_entry(recorded_at=True), "not a timestamp", id="recorded-at-a-boolean"),
-        pytest.param(_raw_entry(recorded_at=1e300), "is not a time", id="recorded-at-beyond-any-date"),
-        pytest.param(entry("other").to_json(), "ledger entry names another task id", id="another-task-id"),
-        pytest.param(
-            _raw_entry(recorded_at={"__type__": "nonsense", "__value__": 1}),
-            "unreadable ledger entry",
-            id="unknown-kombu-type-marker",
-        ),
-        pytest.param(
-            _raw_entry(recorded_at={"__type__": "bytes", "__value__": 5}),
-            "unreadable ledger entry",
-            id="malformed-kombu-bytes-marker",
-        ),
-        pytest.param(
-            _raw_entry(recorded_at={"__type__": "decimal", "__value__": "x"}),
-            "unreadable ledger entry",
-            id="malformed-kombu-decimal-marker",
-        ),
-    ],
-)
-def test_load_reports_an_unreadable_entry_instead_of_raising(
-    ledger: Ledger, redis_client: redis.Redis, raw: str | bytes, message: str
-) -> None:
-    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": raw})
-    ledger.admit_delivery(entry("good"))
-
-    found = ledger.load(["t", "good"])
-
-    assert isinstance(found["t"], Unreadable)
-    assert message in found["t"].reason
-    assert isinstance(found["good"], Entry)  # one bad entry does not hide the others
-
-
-def _delivery_json(**changes: Any) -> str:
-    data = json.loads(entry("t").to_json())
-    data["delivery"].update(changes)
-    return json.dumps(data)
-
-
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        pytest.param({"headers": {"task": "demoapp.work"}}, "another task or id", id="headers-without-an-id"),
-        pytest.param({"body_encoding": "rot13"}, "unknown body encoding", id="unknown-body-encoding"),
-        pytest.param(
-            {"body_encoding": "base64", "body": "not base64!"}, "not base64", id="base64-body-not-base64"
-        ),
-        pytest.param({"content_encoding": "no-such-codec"}, "cannot be encoded", id="unknown-codec"),
-        pytest.param({"properties": {"priority": "high"}}, "'priority'", id="priority-not-a-number"),
-        pytest.param({"properties": {"routing_key": "x"}}, "'routing_key'", id="unknown-property"),
-        pytest.param({"properties": {"delivery_mode": 7}}, "delivery_mode", id="no-such-delivery-mode"),
-        pytest.param({"exchange": "", "routing_key": ""}, "neither an exchange", id="nowhere-to-send"),
-        pytest.param({"delivery_tag": 7}, "delivery_tag is int", id="delivery-tag-a-number"),
-    ],
-)
-def test_a_delivery_that_could_not_be_sent_again_as_stored_is_unreadable(
-    ledger: Ledger, redis_client: redis.Redis, changes: dict[str, Any], message: str
-) -> None:
-    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": _delivery_json(**changes)})
-
-    found = ledger.load(["t"])["t"]
-
-    assert isinstance(found, Unreadable)
-    assert message in found.reason
 
 
 # --- claim and the fence --------------------------------------------------------------------------
 
 
 def test_attempts_are_zero_before_any_recovery(ledger: Ledger) -> None:
-    ledger.admit_delivery(entry("t"))
+    ledger.admit_delivery(work_entry("t"))
 
     assert ledger.attempts(["t", "never-seen"]) == {"t": 0, "never-seen": 0}
     assert ledger.attempts([]) == {}
@@ -381,7 +215,7 @@ def test_attempts_are_zero_before_any_recovery(ledger: Ledger) -> None:
 def test_a_recover_claim_counts_the_attempt_and_keeps_the_entry_until_the_resend_is_out(
     ledger: Ledger,
 ) -> None:
-    e = entry("t", retries=2)
+    e = work_entry("t", retries=2)
     ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "recover", token=e.token, attempts=0, retries=2) == 1
@@ -389,14 +223,14 @@ def test_a_recover_claim_counts_the_attempt_and_keeps_the_entry_until_the_resend
     assert ledger.load(["t"]) == {"t": e}  # released by the caller once the message is published
     assert inflight(ledger) == {"t"}
 
-    again = entry("t", retries=2, attempt=1)
+    again = work_entry("t", retries=2, attempt=1)
     ledger.admit_delivery(again)
     assert claim(ledger, "t", "recover", token=again.token, attempts=1, retries=2) == 2
     assert ledger.attempts(["t"]) == {"t": 2}
 
 
 def test_a_claim_is_refused_when_the_entry_was_replaced(ledger: Ledger) -> None:
-    observed, replaced = entry("t"), entry("t")
+    observed, replaced = work_entry("t"), work_entry("t")
     ledger.admit_delivery(observed)
     ledger.admit_delivery(replaced)  # a worker picked the task up after the sweep looked
 
@@ -408,7 +242,7 @@ def test_a_claim_is_refused_when_the_entry_was_replaced(ledger: Ledger) -> None:
 
 
 def test_a_claim_is_refused_when_the_entry_appeared_or_vanished(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     assert claim(ledger, "t", "terminal", token="") is None  # observed absent, now present
 
@@ -418,7 +252,7 @@ def test_a_claim_is_refused_when_the_entry_appeared_or_vanished(ledger: Ledger) 
 
 
 def test_a_claim_is_refused_when_the_attempt_count_moved(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
 
@@ -430,7 +264,7 @@ def test_a_claim_is_refused_when_the_attempt_count_moved(ledger: Ledger) -> None
 
 
 def test_of_concurrent_claims_on_one_observation_exactly_one_wins(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     contenders = 8
     barrier = threading.Barrier(contenders)
@@ -457,7 +291,7 @@ def test_of_concurrent_claims_on_one_observation_exactly_one_wins(ledger: Ledger
 def test_a_claim_that_raises_the_fence_gives_it_the_requested_ttl(
     ledger: Ledger, redis_client: redis.Redis, mode: str
 ) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
 
     ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=1234, mode=mode)
@@ -466,35 +300,37 @@ def test_a_claim_that_raises_the_fence_gives_it_the_requested_ttl(
 
 
 def test_a_recover_claim_fences_off_older_copies_of_the_same_retry(ledger: Ledger) -> None:
-    e = entry("t", retries=1)
+    e = work_entry("t", retries=1)
     ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token, retries=1)
-    first = entry("t", retries=1, attempt=1)
+    first = work_entry("t", retries=1, attempt=1)
     ledger.admit_delivery(first)  # the first recovery ran, and its worker died in turn
     claim(ledger, "t", "recover", token=first.token, attempts=1, retries=1)  # recovered twice: n = 2
 
-    assert admit(ledger, entry("t", retries=1)) is False  # the caller's original message
-    assert admit(ledger, entry("t", retries=1, attempt=1)) is False  # the first recovery's message
-    assert admit(ledger, entry("t", retries=0, attempt=2)) is False  # an earlier retry, however recovered
-    assert admit(ledger, entry("t", retries=1, attempt=2)) is True  # the current recovery
-    assert admit(ledger, entry("t", retries=1, attempt=3)) is True
-    assert admit(ledger, entry("t", retries=2)) is True  # the task retried itself since: a new message
+    assert admit(ledger, work_entry("t", retries=1)) is False  # the caller's original message
+    assert admit(ledger, work_entry("t", retries=1, attempt=1)) is False  # the first recovery's message
+    assert (
+        admit(ledger, work_entry("t", retries=0, attempt=2)) is False
+    )  # an earlier retry, however recovered
+    assert admit(ledger, work_entry("t", retries=1, attempt=2)) is True  # the current recovery
+    assert admit(ledger, work_entry("t", retries=1, attempt=3)) is True
+    assert admit(ledger, work_entry("t", retries=2)) is True  # the task retried itself since: a new message
 
 
 def test_a_refused_copy_leaves_the_current_entry_alone(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
-    current = entry("t", attempt=1)
+    current = work_entry("t", attempt=1)
     ledger.admit_delivery(current)
 
-    assert admit(ledger, entry("t")) is False
+    assert admit(ledger, work_entry("t")) is False
 
     assert ledger.load(["t"]) == {"t": current}
 
 
 def test_a_terminal_claim_removes_the_entry_and_fences_off_every_copy(ledger: Ledger) -> None:
-    e = entry("t", retries=3)
+    e = work_entry("t", retries=3)
     ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "terminal", token=e.token, retries=ALL_RETRIES) == 0
@@ -510,7 +346,7 @@ def test_a_terminal_claim_removes_the_entry_and_fences_off_every_copy(ledger: Le
         (ALL_RETRIES - 1, 9),
         (ALL_RETRIES, 9),
     ]:
-        assert admit(ledger, entry("t", retries=retries, attempt=attempt)) is False, (
+        assert admit(ledger, work_entry("t", retries=retries, attempt=attempt)) is False, (
             retries,
             attempt,
         )
@@ -518,10 +354,10 @@ def test_a_terminal_claim_removes_the_entry_and_fences_off_every_copy(ledger: Le
 
 
 def test_a_terminal_claim_keeps_the_recovery_count(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
-    recovered = entry("t", attempt=1)
+    recovered = work_entry("t", attempt=1)
     ledger.admit_delivery(recovered)
 
     assert claim(ledger, "t", "terminal", token=recovered.token, attempts=1, retries=ALL_RETRIES) == 1
@@ -532,13 +368,13 @@ def test_a_terminal_claim_works_for_a_task_with_no_entry(ledger: Ledger) -> None
     # A STARTED row without a ledger entry: the sweep observed no token.
     assert claim(ledger, "t", "terminal", token="", retries=ALL_RETRIES) == 0
 
-    assert admit(ledger, entry("t")) is False
+    assert admit(ledger, work_entry("t")) is False
 
 
 def test_a_forget_claim_removes_the_entry_and_raises_no_fence(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
-    e = entry("t", retries=2)
+    e = work_entry("t", retries=2)
     ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "forget", token=e.token, retries=ALL_RETRIES) == 0
@@ -546,11 +382,11 @@ def test_a_forget_claim_removes_the_entry_and_raises_no_fence(
     assert ledger.load(["t"]) == {"t": None}
     assert inflight(ledger) == set()
     assert redis_client.exists(ledger.keys.fence("t")) == 0
-    assert admit(ledger, entry("t", retries=2)) is True
+    assert admit(ledger, work_entry("t", retries=2)) is True
 
 
 def test_a_forget_claim_leaves_an_existing_fence_as_it_was(ledger: Ledger, redis_client: redis.Redis) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
     fence = redis_client.hgetall(ledger.keys.fence("t"))
@@ -559,13 +395,13 @@ def test_a_forget_claim_leaves_an_existing_fence_as_it_was(ledger: Ledger, redis
     assert claim(ledger, "t", "forget", token=e.token, attempts=1, retries=ALL_RETRIES) == 1
 
     assert redis_client.hgetall(ledger.keys.fence("t")) == fence
-    assert admit(ledger, entry("t")) is False  # still fenced against the pre-recovery copy
+    assert admit(ledger, work_entry("t")) is False  # still fenced against the pre-recovery copy
 
 
 def test_keys_live_under_the_configured_prefix(redis_client: redis.Redis, settings: Any) -> None:
     settings.CELERY_ORPHANS_KEY_PREFIX = "other_prefix"
     ledger = Ledger(client(), Keys.current())
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
 
@@ -577,122 +413,8 @@ def test_keys_live_under_the_configured_prefix(redis_client: redis.Redis, settin
 # --- the delivery ---------------------------------------------------------------------------------
 
 
-def test_a_bytes_body_is_kept_as_base64_and_restored_exactly() -> None:
-    raw = bytes(range(256))
-    message = Message(body=raw, content_type="application/x-binary", content_encoding="binary")
-
-    d = delivery_from_message(message)
-
-    assert d.body_encoding == "base64"
-    assert d.body == base64.b64encode(raw).decode()
-    assert d.raw_body() == raw
-
-
-def test_a_text_body_is_kept_as_text_and_restored_exactly() -> None:
-    raw = '[["é", 1], {}, {"callbacks": null}]'
-    message = Message(body=raw, content_type="application/json", content_encoding="utf-8")
-
-    d = delivery_from_message(message)
-
-    assert d.body_encoding == "utf-8"
-    assert d.body == raw
-    assert d.raw_body() == raw
-
-
-def test_a_delivery_keeps_what_publishing_again_needs() -> None:
-    headers = {"id": "t", "task": "demoapp.work", "retries": 1}
-    message = Message(
-        body=b"{}",
-        delivery_tag=42,
-        content_type="application/json",
-        content_encoding="utf-8",
-        delivery_info={"exchange": "tasks", "routing_key": "high"},
-        properties={"correlation_id": "t", "reply_to": "r", "priority": 3, "delivery_mode": 2, "other": "x"},
-        headers=headers,
-    )
-
-    d = delivery_from_message(message)
-
-    assert d.headers == headers
-    assert d.headers is not message.headers
-    assert d.properties == {"correlation_id": "t", "reply_to": "r", "priority": 3, "delivery_mode": 2}
-    assert (d.exchange, d.routing_key, d.delivery_tag) == ("tasks", "high", "42")
-    assert (d.content_type, d.content_encoding) == ("application/json", "utf-8")
-    assert d.retries == 1
-
-
-def test_a_delivery_of_a_sparse_message_has_blank_fields_not_none() -> None:
-    d = delivery_from_message(Message(body=b""))
-
-    assert d.properties == {}
-    assert (d.exchange, d.routing_key, d.delivery_tag, d.content_type, d.content_encoding) == (
-        "",
-        "",
-        None,
-        "",
-        "",
-    )
-    assert d.headers == {}
-    assert d.retries == 0
-    assert d.attempt == 0
-
-
-def test_a_delivery_from_a_real_redis_queue_round_trips_its_body(redis_client: redis.Redis) -> None:
-    with Connection(django_settings.REDIS_URL) as conn:
-        queue = conn.SimpleQueue("celery-orphans-test-ledger")
-        try:
-            queue.put({"args": [1, "é"]}, serializer="json", headers={"retries": 4})
-            message = queue.get(timeout=5)
-            d = delivery_from_message(message)
-            message.ack()
-        finally:
-            queue.close()
-
-    assert d.raw_body() == message.body
-    assert d.retries == 4
-    assert d.routing_key == "celery-orphans-test-ledger"
-
-
-@pytest.mark.parametrize(
-    ("headers", "expected"),
-    [
-        pytest.param(None, 0, id="no-headers"),
-        pytest.param({}, 0, id="empty"),
-        pytest.param({HEADER: {"attempt": 2}}, 2, id="attempt-2"),
-        pytest.param({HEADER: {}}, 0, id="meta-without-attempt"),
-        pytest.param({HEADER: None}, 0, id="meta-none"),
-        pytest.param({HEADER: "2"}, 0, id="meta-a-string"),
-        pytest.param({HEADER: [2]}, 0, id="meta-a-list"),
-        pytest.param({HEADER: 2}, 0, id="meta-an-int"),
-        pytest.param({HEADER: True}, 0, id="meta-a-bool"),
-        pytest.param({HEADER: {"attempt": True}}, 0, id="attempt-a-bool"),
-        pytest.param({HEADER: {"attempt": "2"}}, 0, id="attempt-a-string"),
-        pytest.param({HEADER: {"attempt": 2.0}}, 0, id="attempt-a-float"),
-        pytest.param({HEADER: {"attempt": None}}, 0, id="attempt-none"),
-    ],
-)
-def test_recovery_attempt_reads_only_a_well_formed_header(
-    headers: dict[str, Any] | None, expected: int
-) -> None:
-    assert recovery_attempt(headers) == expected
-
-
-@pytest.mark.parametrize(
-    ("retries", "expected"),
-    [
-        pytest.param(3, 3, id="int"),
-        pytest.param(None, 0, id="none"),
-        pytest.param("3", 0, id="string"),
-    ],
-)
-def test_delivery_retries_reads_only_an_integer(retries: object, expected: int) -> None:
-    d = dataclasses.replace(delivery(), headers={"retries": retries})
-
-    assert d.retries == expected
-
-
 def test_a_recover_claim_records_which_entry_it_claimed_and_sending_records_it_sent(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "recover", token=e.token) == 1
@@ -706,7 +428,7 @@ def test_a_recover_claim_records_which_entry_it_claimed_and_sending_records_it_s
 
 
 def test_an_entry_already_sent_is_never_claimed_for_recovery_again(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     claim(ledger, "t", "recover", token=e.token)
     ledger.mark_sent("t", e.token)
@@ -723,18 +445,18 @@ def test_an_entry_already_sent_is_never_claimed_for_recovery_again(ledger: Ledge
 
 
 def test_completing_is_refused_for_an_entry_the_latest_recovery_did_not_claim(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
 
     assert claim(ledger, "t", "complete", token=e.token) is None  # never claimed
     claim(ledger, "t", "recover", token=e.token)
-    newer = entry("t", attempt=1)
+    newer = work_entry("t", attempt=1)
     ledger.admit_delivery(newer)  # the copy sent again started: its entry is not the claimed one
     assert claim(ledger, "t", "complete", token=newer.token, attempts=1) is None
 
 
 def test_a_recover_claim_keeps_other_sweeps_off_the_entry_until_lifted(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
 
@@ -750,7 +472,7 @@ def test_a_recover_claim_keeps_other_sweeps_off_the_entry_until_lifted(ledger: L
 def test_a_recover_claim_lapses_so_a_dead_claimers_task_is_judged_again(
     ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     monkeypatch.setattr(scripts, "CLAIM_SECONDS", 1)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
@@ -760,10 +482,10 @@ def test_a_recover_claim_lapses_so_a_dead_claimers_task_is_judged_again(
 
 
 def test_a_claim_on_an_older_entry_does_not_hold_off_the_one_that_replaced_it(ledger: Ledger) -> None:
-    e = entry("t")
+    e = work_entry("t")
     ledger.admit_delivery(e)
     assert claim(ledger, "t", "recover", token=e.token, attempts=0) == 1
-    recovered = entry("t", attempt=1)
+    recovered = work_entry("t", attempt=1)
     ledger.admit_delivery(recovered)  # a worker runs the recovered copy, then dies in turn
 
     assert claim(ledger, "t", "recover", token=recovered.token, attempts=1) == 2
@@ -782,7 +504,7 @@ def redeliver(ledger: Ledger, e: Entry, releases: list[tuple[str, str]] | None =
 def test_a_copy_that_replaces_the_unreleased_entry_of_the_same_copy_counts_as_a_recovery(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
-    lost, again = entry("t"), entry("t", recorded_at=2000.0)
+    lost, again = work_entry("t"), work_entry("t", recorded_at=2000.0)
     assert redeliver(ledger, lost) == Admission(admitted=True, attempts=0)
 
     assert redeliver(ledger, again) == Admission(admitted=True, attempts=1, redelivered=True)
@@ -793,90 +515,90 @@ def test_a_copy_that_replaces_the_unreleased_entry_of_the_same_copy_counts_as_a_
 
 
 def test_a_counted_redelivery_names_the_entry_it_replaced(ledger: Ledger) -> None:
-    lost = dataclasses.replace(entry("t"), node="celery@dead-host")
+    lost = dataclasses.replace(work_entry("t"), node="celery@dead-host")
     ledger.admit_delivery(lost, cap=CAP, ttl=TTL)
 
-    admission = ledger.admit_delivery(entry("t"), cap=CAP, ttl=TTL)
+    admission = ledger.admit_delivery(work_entry("t"), cap=CAP, ttl=TTL)
 
     assert admission.lost == dataclasses.replace(lost, token="")
-    assert ledger.admit_delivery(entry("t", retries=1), cap=CAP, ttl=TTL).lost is None
+    assert ledger.admit_delivery(work_entry("t", retries=1), cap=CAP, ttl=TTL).lost is None
 
 
 def test_a_counted_redelivery_stays_the_current_copy_and_is_counted_each_time_it_is_lost(
     ledger: Ledger,
 ) -> None:
-    lost = entry("t")
+    lost = work_entry("t")
     redeliver(ledger, lost)
     claim(ledger, "t", "recover", token=lost.token)  # the copy with attempt 1 was sent: n = 1
-    previous = entry("t", attempt=1)
+    previous = work_entry("t", attempt=1)
     assert redeliver(ledger, previous) == Admission(admitted=True, attempts=1)
 
     for attempts in (2, 3):
-        again = entry("t", attempt=1)  # the broker delivers the same message again, headers and all
+        again = work_entry("t", attempt=1)  # the broker delivers the same message again, headers and all
         assert redeliver(ledger, again) == Admission(admitted=True, attempts=attempts, redelivered=True)
         previous = again
 
     assert ledger.load(["t"]) == {"t": previous}
-    assert admit(ledger, entry("t")) is False  # the caller's original is still stale
+    assert admit(ledger, work_entry("t")) is False  # the caller's original is still stale
 
 
 def test_a_redelivery_at_the_cap_is_admitted_uncounted_for_the_worker_to_mark_terminal(
     ledger: Ledger,
 ) -> None:
-    redeliver(ledger, entry("t"))
+    redeliver(ledger, work_entry("t"))
     for _ in range(CAP):
-        redeliver(ledger, entry("t"))
-    last = entry("t")
+        redeliver(ledger, work_entry("t"))
+    last = work_entry("t")
 
     assert redeliver(ledger, last) == Admission(admitted=True, attempts=CAP, limit_reached=True)
 
     assert ledger.attempts(["t"]) == {"t": CAP}
     assert ledger.load(["t"]) == {"t": last}  # the terminal claim takes it by this token
     assert claim(ledger, "t", "terminal", token=last.token, attempts=CAP) == CAP
-    assert redeliver(ledger, entry("t")) == Admission(admitted=False, attempts=CAP)
+    assert redeliver(ledger, work_entry("t")) == Admission(admitted=False, attempts=CAP)
 
 
 def test_a_copy_is_not_counted_when_the_entry_it_replaces_was_released_in_the_same_call(
     ledger: Ledger,
 ) -> None:
-    finished = entry("t")
+    finished = work_entry("t")
     redeliver(ledger, finished)
 
-    assert redeliver(ledger, entry("t"), [("t", finished.token)]) == Admission(admitted=True, attempts=0)
+    assert redeliver(ledger, work_entry("t"), [("t", finished.token)]) == Admission(admitted=True, attempts=0)
 
 
 def test_a_copy_is_not_counted_without_a_cap_or_without_an_entry_to_replace(ledger: Ledger) -> None:
-    assert redeliver(ledger, entry("t")).redelivered is False  # nothing to replace
-    assert ledger.admit_delivery(entry("t")) == Admission(admitted=True, attempts=0)  # no cap: as before
+    assert redeliver(ledger, work_entry("t")).redelivered is False  # nothing to replace
+    assert ledger.admit_delivery(work_entry("t")) == Admission(admitted=True, attempts=0)  # no cap: as before
 
     assert ledger.attempts(["t"]) == {"t": 0}
 
 
 def test_a_retry_that_replaces_the_entry_of_the_execution_that_retried_is_not_counted(ledger: Ledger) -> None:
-    redeliver(ledger, entry("t", retries=0))  # its release is still on its way when the retry starts
+    redeliver(ledger, work_entry("t", retries=0))  # its release is still on its way when the retry starts
 
-    assert redeliver(ledger, entry("t", retries=1)) == Admission(admitted=True, attempts=0)
+    assert redeliver(ledger, work_entry("t", retries=1)) == Admission(admitted=True, attempts=0)
 
 
 def test_a_copy_sent_by_a_recovery_is_not_counted_again_when_it_replaces_the_recovered_entry(
     ledger: Ledger,
 ) -> None:
-    lost = entry("t")
+    lost = work_entry("t")
     redeliver(ledger, lost)
     claim(ledger, "t", "recover", token=lost.token)  # a sweep (or pool loss) counted it and sends it
 
     # The broker's copy of the original lost the race: stale, neither run nor counted.
-    assert redeliver(ledger, entry("t")) == Admission(admitted=False, attempts=1)
+    assert redeliver(ledger, work_entry("t")) == Admission(admitted=False, attempts=1)
     # The copy the recovery sent starts before the claimer released the entry it replaces.
-    assert redeliver(ledger, entry("t", attempt=1)) == Admission(admitted=True, attempts=1)
+    assert redeliver(ledger, work_entry("t", attempt=1)) == Admission(admitted=True, attempts=1)
 
 
 def test_a_sweep_that_observed_the_lost_entry_cannot_claim_it_once_a_redelivery_was_counted(
     ledger: Ledger,
 ) -> None:
-    lost = entry("t")
+    lost = work_entry("t")
     redeliver(ledger, lost)
-    redeliver(ledger, entry("t"))
+    redeliver(ledger, work_entry("t"))
 
     for mode in ("recover", "terminal", "forget"):
         assert claim(ledger, "t", mode, token=lost.token, attempts=0) is None
@@ -884,20 +606,20 @@ def test_a_sweep_that_observed_the_lost_entry_cannot_claim_it_once_a_redelivery_
 
 
 def test_a_recovery_after_a_counted_redelivery_fences_off_the_redelivered_copy(ledger: Ledger) -> None:
-    redeliver(ledger, entry("t"))
-    again = entry("t")
+    redeliver(ledger, work_entry("t"))
+    again = work_entry("t")
     redeliver(ledger, again)  # counted: n = 1, the copy with attempt 0 is still the current one
     assert claim(ledger, "t", "recover", token=again.token, attempts=1) == 2  # lost again, a sweep sends it
 
     # Restored later by the Redis transport after its visibility timeout: dropped, not counted.
-    assert redeliver(ledger, entry("t")) == Admission(admitted=False, attempts=2)
-    assert redeliver(ledger, entry("t", attempt=2)) == Admission(admitted=True, attempts=2)
+    assert redeliver(ledger, work_entry("t")) == Admission(admitted=False, attempts=2)
+    assert redeliver(ledger, work_entry("t", attempt=2)) == Admission(admitted=True, attempts=2)
 
 
 def test_an_entry_written_without_its_copy_is_never_taken_for_a_redelivery(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
-    older = entry("t")
+    older = work_entry("t")
     redis_client.hset(Keys.current().entry("t"), mapping={"token": older.token, "entry": older.to_json()})
 
-    assert redeliver(ledger, entry("t")) == Admission(admitted=True, attempts=0)
+    assert redeliver(ledger, work_entry("t")) == Admission(admitted=True, attempts=0)

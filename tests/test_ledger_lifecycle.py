@@ -8,7 +8,7 @@ from django_celery_results.models import TaskResult
 
 from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
-from tests.workers import wait_for
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from celery_orphans.sweep import liveness
+from tests.helpers import wait_for
 from tests.test_recovery import started_on
-from tests.workers import wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -21,18 +21,17 @@ def test_a_late_reply_does_not_restart_the_wait_for_a_silent_node(workers, celer
     from demoapp.tasks import summarize
 
     workers.start("late@test", pool="solo")
-    result = summarize.delay([1], seconds=3)
+    result = summarize.delay([1], seconds=4.5)
     started_on(result.id, "late@test")
-    began = time.monotonic()
-    time.sleep(1.5)  # the task ends about 1.5 s after the question goes out
+    time.sleep(1.5)  # the task ends about 3 s after the question goes out
 
     asked = time.monotonic()
     held = liveness.ask_workers(celery_app, ["late@test", DEAD], [result.id], timeout=4.0)
     waited = time.monotonic() - asked
 
     assert held == {"late@test": frozenset()}  # it answered, after its task ended
-    assert time.monotonic() - began > 3.0
-    assert 4.0 <= waited < 5.0  # Celery's own wait: about 1.5 + 4 s
+    # Celery's own wait would be about 3 + 4 s; a slow machine lengthens ours far less than that.
+    assert 4.0 <= waited < 6.0
 
 
 def test_the_wait_ends_as_soon_as_every_node_answered(workers, celery_app):
@@ -60,10 +59,12 @@ def test_meanwhile_runs_once_during_the_wait_and_its_error_is_not_retried(worker
 
     asked = time.monotonic()
     with pytest.raises(ConnectionError, match="the ledger went away"):
-        liveness.ask_workers(celery_app, [DEAD], [], timeout=1.0, meanwhile=meanwhile)
+        liveness.ask_workers(celery_app, [DEAD], [], timeout=3.0, meanwhile=meanwhile)
+    ended = time.monotonic()
 
-    assert len(calls) == 1 and calls[0] - asked < 0.5  # during the wait, not after it
-    assert time.monotonic() - asked >= 1.0  # the question still had its whole timeout
+    assert len(calls) == 1
+    assert ended - calls[0] >= 2.0  # it ran during the wait, not after it
+    assert ended - asked >= 3.0  # the question still had its whole timeout
 
 
 def test_no_node_to_ask_still_runs_meanwhile(celery_app):

@@ -17,7 +17,7 @@ from celery_orphans.exceptions import SweepLocked
 from celery_orphans.store import Keys
 from celery_orphans.sweep import lock as locks
 from celery_orphans.sweep.lock import ADVISORY_LOCK_ID, sweep_lock
-from tests.workers import wait_for
+from tests.helpers import wait_for
 
 postgres_only = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="the advisory lock exists only on PostgreSQL"

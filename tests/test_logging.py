@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -22,9 +20,8 @@ from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action
 from tests import factories
 from tests.celery_conf import patch_setting, set_setting
-from tests.conftest import _database_url
+from tests.helpers import manage, wait_for
 from tests.services import RedisServer, free_port
-from tests.workers import ROOT, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -168,21 +165,13 @@ def test_a_sweep_that_cannot_reach_redis_logs_no_password(
 
 
 def run_command(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_url,  # the test project's CELERY_ORPHANS_REDIS_URL
-        "CELERY_BROKER_URL": redis_url,
-        "DATABASE_URL": _database_url(),
-        "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
-        "PYTHONPATH": str(ROOT),
-    }
-    return subprocess.run(
-        [sys.executable, "manage.py", "reconcile_orphan_tasks", "-v", "3", *args],
-        cwd=ROOT / "testproject",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    # The test project's CELERY_ORPHANS_REDIS_URL is REDIS_URL.
+    return manage(
+        "reconcile_orphan_tasks",
+        "-v",
+        "3",
+        *args,
+        env={"REDIS_URL": redis_url, "CELERY_BROKER_URL": redis_url},
     )
 
 

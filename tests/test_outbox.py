@@ -6,28 +6,16 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
 
 import pytest
 import redis
 
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Ledger
-from celery_orphans.store import Keys, client
+from celery_orphans.store import Keys
 from celery_orphans.worker.outbox import Outbox
-from tests.test_leases import exit_code_of
-from tests.test_ledger import entry
-from tests.workers import wait_for
-
-
-def admit(ledger: Ledger, entry: Entry, releases: Sequence[tuple[str, str]] = ()) -> bool:
-    """Record ``entry``, as a worker's checked write does; ``False`` means its copy is stale."""
-    return ledger.admit_delivery(entry, releases).admitted
-
-
-@pytest.fixture
-def ledger(redis_client: redis.Redis) -> Ledger:
-    return Ledger(client(), Keys.current())
+from tests.factories import work_entry
+from tests.helpers import exit_code_of, wait_for
 
 
 def recovered_once(redis_client: redis.Redis, task_id: str) -> None:
@@ -36,7 +24,7 @@ def recovered_once(redis_client: redis.Redis, task_id: str) -> None:
 
 
 def admitted(ledger: Ledger, task_id: str) -> Entry:
-    e = entry(task_id, token=uuid.uuid4().hex)
+    e = work_entry(task_id, token=uuid.uuid4().hex)
     ledger.admit_delivery(e)
     return e
 
@@ -45,8 +33,8 @@ def test_an_entry_is_sent_without_waiting_and_is_in_redis_once_answered(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     outbox = Outbox(delay=60)
-    e = entry("t")
-    outbox.admit(ledger, entry("warm-up"))  # the connection is made before Redis is paused
+    e = work_entry("t")
+    outbox.admit(ledger, work_entry("warm-up"))  # the connection is made before Redis is paused
     redis_client.client_pause(2000, all=False)  # WRITE: every write waits
 
     started = time.monotonic()
@@ -63,10 +51,10 @@ def test_an_entry_whose_connection_broke_before_the_answer_is_written_again(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     outbox = Outbox(delay=60)
-    outbox.admit(ledger, entry("warm-up"))
+    outbox.admit(ledger, work_entry("warm-up"))
     outbox.settle()
     redis_client.client_pause(5000, all=False)
-    e = entry("t")
+    e = work_entry("t")
     outbox.admit(ledger, e)  # held by the pause, then dropped with its connection
     redis_client.client_kill_filter(_type="normal", skipme=True)
     redis_client.client_unpause()
@@ -81,7 +69,7 @@ def test_a_queued_removal_goes_with_the_next_entry_sent(ledger: Ledger) -> None:
     done = admitted(ledger, "done")
     outbox.release(ledger, "done", done.token)
 
-    outbox.admit(ledger, entry("next"))
+    outbox.admit(ledger, work_entry("next"))
     outbox.settle()
 
     assert ledger.load(["done", "next"])["done"] is None
@@ -96,8 +84,8 @@ def test_an_error_answer_is_logged_and_the_connection_stays_usable(
     redis_client.set(Keys.current().fence("bad"), "not a hash")  # the write fails inside Redis
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
-        outbox.admit(ledger, entry("bad"))
-        outbox.admit(ledger, entry("good"))
+        outbox.admit(ledger, work_entry("bad"))
+        outbox.admit(ledger, work_entry("good"))
         outbox.settle()
 
     assert "cannot record demoapp.work[bad] in the ledger" in caplog.text
@@ -112,7 +100,7 @@ def test_a_copy_whose_fence_moved_on_is_logged_as_a_task_id_sent_twice(
     recovered_once(redis_client, "twice")
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
-        outbox.admit(ledger, entry("twice"))
+        outbox.admit(ledger, work_entry("twice"))
         outbox.settle()
 
     assert "was the same task id sent twice?" in caplog.text
@@ -126,7 +114,7 @@ def test_an_entry_that_cannot_be_sent_raises_and_the_removals_stay_queued(redis_
     outbox.release(unreachable, "done", "token")
 
     with pytest.raises(redis.ConnectionError):
-        outbox.admit(unreachable, entry("t"))
+        outbox.admit(unreachable, work_entry("t"))
 
     assert outbox.take(unreachable) == [("done", "token")]
 
@@ -167,10 +155,10 @@ def test_an_entry_sent_after_redis_lost_its_scripts_is_written_the_slow_way(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     outbox = Outbox(delay=60)
-    outbox.admit(ledger, entry("warm-up"))  # the script is loaded with the outbox's connection
+    outbox.admit(ledger, work_entry("warm-up"))  # the script is loaded with the outbox's connection
     outbox.settle()
     redis_client.script_flush()
-    e = entry("t")
+    e = work_entry("t")
 
     outbox.admit(ledger, e)
     outbox.settle()
@@ -185,7 +173,7 @@ def test_answers_are_read_by_the_thread_without_another_write(
     recovered_once(redis_client, "twice")
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
-        outbox.admit(ledger, entry("twice"))
+        outbox.admit(ledger, work_entry("twice"))
         wait_for(lambda: "was the same task id sent twice?" in caplog.text, 5, "the answer to be read")
 
 
@@ -193,7 +181,7 @@ def test_a_forked_child_writes_on_its_own_connection_even_if_the_fork_caught_the
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     outbox = Outbox(delay=60)
-    parent, child = entry("parent", token="p"), entry("child", token="c")
+    parent, child = work_entry("parent", token="p"), work_entry("child", token="c")
     outbox.admit(ledger, parent)  # the parent's connection and thread exist
     parent_conn = outbox._lines[ledger].conn
     outbox._lock.acquire()  # as if the parent's thread were flushing when the worker forked

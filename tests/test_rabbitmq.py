@@ -22,7 +22,7 @@ from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Evidence
 from celery_orphans.store import Keys, client
-from tests.workers import wait_for
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -21,10 +21,6 @@ RECOMMENDED = {
 }
 
 
-def fresh_app() -> Celery:
-    return Celery("t", set_as_current=False, fixups=[])
-
-
 def test_holds_every_recommended_setting() -> None:
     assert recommended_celery_settings() == RECOMMENDED
 
@@ -48,8 +44,8 @@ def test_each_call_returns_a_new_dict() -> None:
     assert recommended_celery_settings()["broker_transport_options"] == {"visibility_timeout": 3600}
 
 
-def test_app_conf_update_accepts_it() -> None:
-    app = fresh_app()
+def test_app_conf_update_accepts_it(fresh_app: Celery) -> None:
+    app = fresh_app
     app.conf.update(recommended_celery_settings(visibility_timeout=900))
     assert app.conf.task_acks_late is True
     assert app.conf.worker_prefetch_multiplier == 1
@@ -61,11 +57,11 @@ def test_app_conf_update_accepts_it() -> None:
     assert app.conf.broker_transport_options == {"visibility_timeout": 900}
 
 
-def test_django_settings_with_the_celery_namespace_accept_it() -> None:
+def test_django_settings_with_the_celery_namespace_accept_it(fresh_app: Celery) -> None:
     django_style = SimpleNamespace(
         **{f"CELERY_{name.upper()}": value for name, value in recommended_celery_settings().items()}
     )
-    app = fresh_app()
+    app = fresh_app
     app.config_from_object(django_style, namespace="CELERY")
     for name, value in RECOMMENDED.items():
         assert app.conf[name] == value, name

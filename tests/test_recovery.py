@@ -19,7 +19,7 @@ from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Evidence
 from celery_orphans.store import Keys, client
-from tests.workers import wait_for
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -64,6 +64,11 @@ def finishes(task_id: str) -> int:
     from demoapp.tasks import runs
 
     return sum(1 for e in runs(task_id) if e.startswith("finish"))
+
+
+def as_bytes(body: bytes | str) -> bytes:
+    """A stored body as the bytes a broker carries (a text body is UTF-8)."""
+    return body.encode() if isinstance(body, str) else body
 
 
 def test_killed_worker_restarted_under_same_name_runs_the_task_again_with_the_same_id(workers):
@@ -123,11 +128,7 @@ def test_resent_message_is_byte_for_byte_the_original_with_recovery_headers_adde
 
     [raw] = redis_client.lrange("held", 0, -1)
     payload = json.loads(raw)
-    assert (
-        base64.b64decode(payload["body"]) == original.delivery.raw_body().encode()
-        if isinstance(original.delivery.raw_body(), str)
-        else original.delivery.raw_body()
-    )
+    assert base64.b64decode(payload["body"]) == as_bytes(original.delivery.raw_body())
     headers = dict(payload["headers"])
     recovery = headers.pop("celery_orphans")
     assert headers == original.delivery.headers

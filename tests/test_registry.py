@@ -23,7 +23,7 @@ from celery_orphans.registry import (
     recoverable_tasks,
 )
 from tests import factories
-from tests.conftest import _database_url
+from tests.helpers import database_url
 
 DEMO_POLICIES = {
     "demoapp.summarize": RecoveryPolicy(group="summaries"),
@@ -52,11 +52,6 @@ def bound_noop() -> Callable[[object], None]:
 
 def unique() -> str:
     return f"tests.registry.{uuid.uuid4().hex}"
-
-
-@pytest.fixture
-def fresh_app() -> Celery:
-    return Celery("t", set_as_current=False, fixups=[])
 
 
 @pytest.fixture
@@ -148,7 +143,7 @@ def run_in_minimal_project(
         env={
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "proj.settings",
-            "DATABASE_URL": _database_url(),
+            "DATABASE_URL": database_url(),
             "PYTHONPATH": str(tmp_path / "project"),
             **(env or {}),
         },

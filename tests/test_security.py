@@ -29,8 +29,8 @@ from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep import broker
 from tests import factories
+from tests.helpers import wait_for
 from tests.services import RedisServer
-from tests.workers import wait_for
 
 QUEUE = "celery"
 

@@ -3,7 +3,7 @@ import signal
 import pytest
 from django_celery_results.models import TaskResult
 
-from tests.workers import wait_for
+from tests.helpers import wait_for
 
 
 @pytest.mark.worker

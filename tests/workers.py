@@ -8,26 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, wait_for
+
+__all__ = ["ROOT", "Worker", "WorkerPool", "process_tree", "wait_for"]
 # Most tests exercise the regular sweep; the ones about the boot sweep switch it back on.
 BOOT_SWEEP_OFF = {"CELERY_ORPHANS_BOOT_SWEEP": "false"}
 PROJECT = ROOT / "testproject"
-
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
-    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 def process_tree(pid: int) -> list[int]:

@@ -1,0 +1,88 @@
+"""The helpers the tests share: waiting for a condition, running ``manage.py`` as a script would, and
+reading leases and forked children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import redis
+
+from celery_orphans.store import Keys
+from celery_orphans.worker.heartbeat import Heartbeat
+
+ROOT = Path(__file__).resolve().parent.parent
+MakeBeat = Callable[..., Heartbeat]
+
+
+def wait_for(
+    condition: Callable[[], object], timeout: float = 10.0, what: str = "a condition", interval: float = 0.05
+) -> object:
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def database_url() -> str:
+    """The URL of the database this process uses (the test database once it is set up)."""
+    from django.db import connection
+
+    s = connection.settings_dict
+    if s["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{s['NAME']}"
+    auth = quote(s["USER"] or "")
+    if s["PASSWORD"]:
+        auth += ":" + quote(s["PASSWORD"])
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+def manage(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``manage.py *args`` of the test project in a process of its own, on the test database."""
+    environ = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
+        "DATABASE_URL": database_url(),
+        "PYTHONPATH": str(ROOT),
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "testproject/manage.py", *args],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def lease_key(heartbeat: Heartbeat) -> str:
+    return Keys.current().lease(heartbeat.node, heartbeat.boot)
+
+
+def boots_of(redis_client: redis.Redis, node: str) -> set[str]:
+    return {b.decode() for b in redis_client.hkeys(Keys.current().boots(node))}
+
+
+def exit_code_of(pid: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child {pid} did not exit")
+        time.sleep(0.01)
+    return os.waitstatus_to_exitcode(waited[1])
