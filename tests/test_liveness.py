@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
+from kombu.pidbox import Mailbox
 
 from celery_orphans.sweep import liveness
 from tests.helpers import wait_for
@@ -74,3 +76,31 @@ def test_no_node_to_ask_still_runs_meanwhile(celery_app):
         == {}
     )
     assert calls == [1]
+
+
+def test_a_question_whose_replies_were_cut_off_leaves_no_binding_that_hides_the_next_ones_replies(
+    workers, redis_client, celery_app, monkeypatch
+):
+    """A broken wait must not leave the reply queue's binding recorded on the pooled connection: a later
+    question with a reply queue of the same name would skip binding it, and its replies would be lost."""
+    workers.start("rebind@test")
+    # The reply queue is named by process, thread and a short-lived object's address, which CPython reuses.
+    monkeypatch.setattr(Mailbox, "oid", property(lambda self: "5ca1ab1e-0000-3000-8000-000000000000"))
+    gather = liveness._Question._gather
+
+    def broken_once(self, connection, mailbox, ticket, deadline):
+        monkeypatch.setattr(liveness._Question, "_gather", gather)
+        connection.drain_events = cut
+        try:
+            gather(self, connection, mailbox, ticket, deadline)
+        finally:
+            del connection.drain_events
+
+    def cut(*args, **kwargs):
+        raise redis.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(liveness._Question, "_gather", broken_once)
+    assert liveness.ask_workers(celery_app, ["rebind@test"], [], timeout=2.0) == {"rebind@test": frozenset()}
+    redis_client.flushdb()  # the broker loses its bindings (a restart, a failover)
+
+    assert liveness.ask_workers(celery_app, ["rebind@test"], [], timeout=2.0) == {"rebind@test": frozenset()}

@@ -100,6 +100,12 @@ class _Question:
                 self._run_meanwhile()
             finally:
                 gathering.join()
+            if conn is None and isinstance(self.broken, errors):
+                # A pooled connection the broker dropped goes back to the pool with a new transport:
+                # kombu's virtual transport remembers the bindings it declared and skips declaring one it
+                # remembers, even once the broker lost it (a Redis restart or failover), and the replies
+                # to a later question whose reply queue has the same name would then be dropped.
+                connection.collect()
         if isinstance(self.broken, errors):
             raise _BrokerLost from self.broken
         if self.broken is not None:
@@ -131,9 +137,18 @@ class _Question:
                         connection.drain_events(timeout=remaining)
                     except TimeoutError:
                         break
-            channel.after_reply_message_received(mailbox.reply_queue.name)
         except BaseException as exc:  # raised again in the thread that asked
             self.broken = exc
+        finally:
+            # Always, as kombu's own Mailbox._collect does: otherwise the reply queue's binding stays
+            # recorded in the connection's transport, and a later question whose reply queue has the same
+            # name (kombu names it by process, thread and the address of a short-lived object, which
+            # CPython reuses) would not bind it again.
+            try:
+                channel.after_reply_message_received(mailbox.reply_queue.name)
+            except BaseException as exc:
+                if self.broken is None:
+                    self.broken = exc
 
 
 def observe(
