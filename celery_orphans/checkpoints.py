@@ -45,6 +45,7 @@ from celery_orphans.conf import settings
 from celery_orphans.entry import HEADER, recovery_attempt
 from celery_orphans.exceptions import CheckpointFenced, CheckpointTooLarge
 from celery_orphans.store import Keys, client
+from celery_orphans.worker import fence
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,13 @@ class Checkpoint:
                 f"CELERY_ORPHANS_CHECKPOINT_MAX_BYTES ({limit}); save where you are (an id, an offset), "
                 "not the data"
             )
+        if self._request is not None and fence.forfeit(self._request):
+            message = (
+                f"{self.task_name}[{self.task_id}] may not save a checkpoint: its worker gave it up (its "
+                "lease was not renewed in time) and the task is recovered from the ledger"
+            )
+            logger.warning("celery-orphans: %s; stopping this execution", message)
+            raise CheckpointFenced(message)
         if self._store is not None and self.task_id is not None:
             self._touch()  # before the write: a save that reached Redis but timed out still counts
             outcome = self._store.save(self.task_id, self.execution, encoded)

@@ -7,6 +7,7 @@ entry that fails a check is ``Unreadable``, never sent.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -60,11 +61,13 @@ class Entry:
     delivery: Delivery
     token: str = ""
     version: int = field(default=ENTRY_VERSION)
+    # Kept beside the JSON, not in it: when its worker handed the message back to the broker (Unix time).
+    handed_back_at: float | None = None
 
     def to_json(self) -> str:
         # vars() rather than asdict(): asdict deep-copies the headers, and this runs before every task.
         data = {**vars(self), "delivery": vars(self.delivery)}
-        del data["token"]
+        del data["token"], data["handed_back_at"]
         return _ENCODER.encode(data)
 
     @classmethod
@@ -225,12 +228,16 @@ class Unreadable:
     reason: str
 
 
-def parse(task_id: str, token: bytes | None, raw: bytes | None) -> Entry | Unreadable | None:
+def parse(
+    task_id: str, token: bytes | None, raw: bytes | None, handed_back: bytes | None = None
+) -> Entry | Unreadable | None:
     """The entry stored for ``task_id`` (``None`` when there is none)."""
     if raw is None:
         return None
     try:
         entry = Entry.from_json(raw, (token or b"").decode())
+        if handed_back is not None:
+            entry = dataclasses.replace(entry, handed_back_at=float(handed_back))
     except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as exc:
         return Unreadable(f"unreadable ledger entry: {exc}")
     return entry if entry.task_id == task_id else Unreadable("ledger entry names another task id")

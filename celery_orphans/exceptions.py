@@ -29,6 +29,14 @@ class CheckpointFenced(CeleryOrphansError, Ignore):
     """
 
 
+class ExecutionForfeit(CeleryOrphansError, Ignore):
+    """The execution's worker did not renew its lease in time, so the task may be recovered elsewhere.
+
+    Raised inside a forfeit execution when its body returns or raises, or when it retries. It is a
+    Celery ``Ignore``: the execution ends without storing a result or applying its chain's next link.
+    """
+
+
 class TaskOrphaned(Exception):
     """Stored as the result of an orphaned task that was not re-run.
 

@@ -2,8 +2,8 @@
 
 Each worker boot proves it is alive by renewing one Redis key (``worker/heartbeat.py``). The key holds
 the node name and an id unique to this boot of the process, and expires on its own (Redis enforces it,
-so no clocks are compared). Each node also keeps a hash of its boots and when each last beat, which
-outlives the leases.
+so no clocks are compared). Each node also keeps a hash of its boots, with when each last renewed and
+until when that renewal holds, in Redis's time, which outlives the leases.
 """
 
 from __future__ import annotations
@@ -25,39 +25,60 @@ logger = logging.getLogger(__name__)
 def fresh_boots(
     nodes: Iterable[str], conn: redis.Redis[bytes] | None = None, *, prune: bool = True
 ) -> dict[str, frozenset[str]]:
-    """For each node name, the boot ids whose lease has not lapsed (two round trips in all).
+    """For each node name, the boot ids that may still be alive (two round trips in all).
 
-    With ``prune``, lapsed boot ids are dropped from their node's set, so the sets of names that never
-    come back do not grow with every crash. A live boot wrongly dropped adds itself at its next beat.
+    A boot is alive while its lease exists, and also while its last renewal still holds by the node's
+    record although the lease is gone: a lease deleted, evicted or lost in a failover says nothing of
+    its worker, which gives its executions up at its next beat, when it finds the lease gone.
+
+    With ``prune``, boots that are neither are dropped from their node's set, so the sets of names that
+    never come back do not grow with every crash. A live boot wrongly dropped adds itself at its next beat.
     """
     conn = conn or client()
     keys = Keys.current()
     nodes = sorted(set(nodes))
     pipe = conn.pipeline(transaction=False)
+    pipe.time()
     for node in nodes:
-        pipe.hkeys(keys.boots(node))
-    boots = {
-        node: sorted(b.decode() if isinstance(b, bytes) else str(b) for b in members)
-        for node, members in zip(nodes, pipe.execute())
+        pipe.hgetall(keys.boots(node))
+    (seconds, micros), *found = pipe.execute()
+    now_ms = seconds * 1000 + micros // 1000
+    records = {
+        node: {_text(b): _renewal(v) for b, v in members.items()} for node, members in zip(nodes, found)
     }
+    pairs = [(node, boot) for node in nodes for boot in sorted(records[node])]
     pipe = conn.pipeline(transaction=False)
-    pairs = [(node, boot) for node in nodes for boot in boots[node]]
     for node, boot in pairs:
         pipe.exists(keys.lease(node, boot))
-    alive = {pair for pair, exists in zip(pairs, pipe.execute() if pairs else []) if exists}
+    leased = {pair for pair, exists in zip(pairs, pipe.execute() if pairs else []) if exists}
+    alive = {pair for pair in pairs if pair in leased or records[pair[0]][pair[1]][1] > now_ms}
     lapsed = [pair for pair in pairs if pair not in alive]
     if prune and lapsed:
         pipe = conn.pipeline(transaction=False)
         for node, boot in lapsed:
             pipe.hdel(keys.boots(node), boot)
         pipe.execute()
-    return {node: frozenset(b for b in boots[node] if (node, b) in alive) for node in nodes}
+    return {node: frozenset(b for b in records[node] if (node, b) in alive) for node in nodes}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _renewal(value: bytes | str | None) -> tuple[float, float]:
+    """A boot's record, ``renewed_ms:until_ms`` in Redis's time, as milliseconds; zeros if unreadable."""
+    try:
+        renewed, until = _text(value or b"").split(":")
+        return float(renewed), float(until)
+    except ValueError:
+        return 0.0, 0.0
 
 
 def last_beats(
     pairs: Iterable[tuple[str, str]], conn: redis.Redis[bytes] | None = None
 ) -> dict[tuple[str, str], float]:
-    """When each (node, boot) last renewed its lease, for the boots still listed under their node."""
+    """When each (node, boot) last renewed its lease, in seconds since the epoch by Redis's clock, for
+    the boots still listed under their node."""
     conn = conn or client()
     keys = Keys.current()
     pairs = list(pairs)
@@ -66,10 +87,9 @@ def last_beats(
         pipe.hget(keys.boots(node), boot)
     found = {}
     for pair, value in zip(pairs, pipe.execute() if pairs else []):
-        try:
-            found[pair] = float(value)
-        except (TypeError, ValueError):
-            continue
+        renewed_ms, _ = _renewal(value)
+        if renewed_ms:
+            found[pair] = renewed_ms / 1000
     return found
 
 

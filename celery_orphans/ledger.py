@@ -31,12 +31,14 @@ LOAD_CHUNK = 1000
 class Admission:
     """What admitting a delivery found, in the one call that recorded it."""
 
-    admitted: bool  # False: a stale copy, to drop
+    admitted: bool  # False: a stale copy or a duplicate, to drop
     checkpoint: bool = False  # the task has a checkpoint
     attempts: int = 0  # the fence's recovery count, this delivery's included
     redelivered: bool = False  # it re-delivers an orphan's copy, and was counted as a recovery
     limit_reached: bool = False  # it re-delivers an orphan's copy, but the count had reached the cap
-    lost: Entry | Unreadable | None = None  # the entry of the execution that lost it, as ``load`` reads it
+    duplicate: bool = False  # a copy of an execution that is alive: never run it
+    # The entry of the same copy it found: the execution that lost the task, or the live one it duplicates.
+    previous: Entry | Unreadable | None = None
 
 
 @dataclass(frozen=True)
@@ -66,25 +68,39 @@ class Ledger:
         self._load = client.register_script(scripts.LOAD)
         self._release_many = client.register_script(scripts.RELEASE_MANY)
         self._unclaim = client.register_script(scripts.UNCLAIM)
+        self._hand_back = client.register_script(scripts.HAND_BACK)
 
     def admit_delivery(
-        self, entry: Entry, releases: Sequence[tuple[str, str]] = (), *, cap: int = 0, ttl: int = 0
+        self,
+        entry: Entry,
+        releases: Sequence[tuple[str, str]] = (),
+        *,
+        cap: int = 0,
+        ttl: int = 0,
+        lease: str = "",
+        single_flight: bool = False,
     ) -> Admission:
-        """``admit``, saying whether the task has a checkpoint, and counting a broker's redelivery.
+        """Record ``entry`` unless its delivery is a stale copy, and say what the call found.
 
         ``releases`` (``(task_id, token)`` pairs) are removed as ``release`` would, first, in the same call.
+        ``lease`` is the key of the lease of the boot that writes it: while that lease exists, the
+        execution is alive.
 
-        With ``cap`` 0 a redelivery is admitted as any copy is; otherwise it raises the fence's count
-        (kept ``ttl`` seconds) unless the count had reached ``cap``, which the answer says instead.
+        With ``single_flight``, a delivery of the same copy as an entry whose boot is alive is refused
+        as a duplicate. With ``cap`` 0 a redelivery of a lost execution is admitted as any copy is;
+        otherwise it raises the fence's count (kept ``ttl`` seconds) unless the count had reached
+        ``cap``, which the answer says instead.
         """
-        keys, args = self._admit_call(entry, releases, cap, ttl)
+        keys, args = self._admit_call(entry, releases, cap, ttl, lease, single_flight)
         return admission(entry.task_id, self._admit(keys=keys, args=args))
 
-    def send_admit(self, conn: AbstractConnection, entry: Entry, releases: Sequence[tuple[str, str]]) -> None:
-        """``admit_delivery`` with no cap, sent on ``conn`` without waiting for the answer, which
-        ``admission(entry.task_id, conn.read_response())`` reads later, in the order sent. The script
-        must be loaded (``load_scripts``); Redis answers ``NoScriptError`` if it was not."""
-        keys, args = self._admit_call(entry, releases, 0, 0)
+    def send_admit(
+        self, conn: AbstractConnection, entry: Entry, releases: Sequence[tuple[str, str]], lease: str
+    ) -> None:
+        """``admit_delivery`` with no cap and no duplicate check, sent on ``conn`` without waiting for the
+        answer, which ``admission(entry.task_id, conn.read_response())`` reads later, in the order sent.
+        The script must be loaded (``load_scripts``); Redis answers ``NoScriptError`` if it was not."""
+        keys, args = self._admit_call(entry, releases, 0, 0, lease, False)
         # bytes: redis-py re-encodes and splits a str command name on every call.
         conn.send_command(b"EVALSHA", scripts.ADMIT_SHA, len(keys), *keys, *args)
 
@@ -93,7 +109,13 @@ class Ledger:
         self.client.execute_command("SCRIPT", "LOAD", scripts.ADMIT)
 
     def _admit_call(
-        self, entry: Entry, releases: Sequence[tuple[str, str]], cap: int, ttl: int
+        self,
+        entry: Entry,
+        releases: Sequence[tuple[str, str]],
+        cap: int,
+        ttl: int,
+        lease: str,
+        single_flight: bool,
     ) -> tuple[list[str], list[Any]]:
         d = entry.delivery
         keys = [
@@ -112,9 +134,15 @@ class Ledger:
             entry.recorded_at,
             cap,
             ttl,
+            lease,
+            1 if single_flight else 0,
             *(value for task_id, token in releases for value in (token, task_id)),
         ]
         return keys, args
+
+    def hand_back(self, task_id: str, token: str) -> bool:
+        """Mark the entry written with ``token`` as handed back to the broker (see ``HAND_BACK``)."""
+        return bool(self._hand_back(keys=[self.keys.entry(task_id)], args=[token, time.time()]))
 
     def release(self, task_id: str, token: str) -> bool:
         """Remove the entry if it is still the one written with ``token``."""
@@ -174,8 +202,8 @@ class Ledger:
         found: dict[str, Entry | Unreadable | None] = {}
         fences: dict[str, Fence] = {}
         for i, task_id in enumerate(task_ids):
-            token, raw, attempts, claimed, sent = flat[5 * i : 5 * i + 5]
-            found[task_id] = parse(task_id, token, raw)
+            token, raw, handed_back, attempts, claimed, sent = flat[6 * i : 6 * i + 6]
+            found[task_id] = parse(task_id, token, raw, handed_back)
             fences[task_id] = _fence(attempts, claimed, sent)
         return found, fences
 
@@ -194,14 +222,15 @@ class Ledger:
 
 def admission(task_id: str, reply: list[Any]) -> Admission:
     """What the admit script answered about the delivery of ``task_id``."""
-    written, attempts, redelivered, *lost = reply
+    written, attempts, redelivered, *found = reply
     return Admission(
-        admitted=int(written) > 0,
+        admitted=int(written) in (1, 2),
         checkpoint=int(written) == 2,
         attempts=int(attempts),
         redelivered=int(redelivered) == 1,
         limit_reached=int(redelivered) == 2,
-        lost=parse(task_id, b"", lost[0] if lost else None),
+        duplicate=int(written) == 3,
+        previous=parse(task_id, b"", found[0] if found else None),
     )
 
 

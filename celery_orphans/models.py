@@ -14,6 +14,7 @@ class AuditAction(models.TextChoices):
     WOULD_RECOVER = "would_recover", "Would recover (shadow mode)"
     WOULD_MARK_TERMINAL = "would_mark_terminal", "Would mark terminal (shadow mode)"
     WOULD_FORGET = "would_forget", "Would forget (shadow mode)"
+    DUPLICATE_DROPPED = "duplicate_dropped", "Duplicate dropped (the task runs elsewhere)"
 
 
 class Trigger(models.TextChoices):

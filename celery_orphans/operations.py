@@ -42,6 +42,7 @@ class SwitchedOff(CeleryOrphansError):
 class Verdict(str, enum.Enum):
     ALIVE = "alive"
     IN_GRACE = "in_grace"
+    HANDED_BACK = "handed_back"
     WILL_RECOVER = "will_recover"
     WILL_MARK_TERMINAL = "will_mark_terminal"
     NOT_RECOVERABLE = "not_recoverable"
@@ -57,6 +58,10 @@ def verdict(d: Decision) -> tuple[Verdict, str]:
             return Verdict.IN_GRACE, "in grace"
         if d.reason is Reason.DEFERRED:
             return Verdict.DEFERRED, f"orphan (deferred: {d.detail})"
+        if d.reason is Reason.HANDED_BACK:
+            return Verdict.HANDED_BACK, "handed back to the broker"
+        if d.reason is Reason.ALREADY_FINISHED:
+            return Verdict.FINISHED, f"finished ({d.detail})"
         return Verdict.ALIVE, "alive"
     if d.action is Action.RECOVER:
         if d.reason is Reason.ALREADY_SENT:

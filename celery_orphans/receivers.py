@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ from django.utils import timezone
 
 from celery_orphans.conf import settings
 from celery_orphans.sweep import boot
-from celery_orphans.worker import heartbeat
+from celery_orphans.worker import fence, heartbeat
 from celery_orphans.worker.outbox import outbox
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ def worker_ready(sender: Any = None, **kwargs: Any) -> None:
     if not node:
         return
     try:
-        beat = heartbeat.start(node)
+        beat = heartbeat.start(node, functools.partial(fence.stop_executions, getattr(sender, "pool", None)))
     except ImproperlyConfigured as exc:
         logger.error("celery-orphans: worker %s runs without a lease: %s", node, exc)
         return

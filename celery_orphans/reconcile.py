@@ -16,6 +16,10 @@ READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED", "IGNORED"})
 # How far ahead of the sweep's clock a recorded start may be and still count as "just started": hosts
 # synchronised by NTP differ by far less. Beyond it the start time itself cannot be believed.
 CLOCK_TOLERANCE = timedelta(seconds=5)
+# How long a message its worker handed back to the broker (a shutdown, a requeue) is left to the broker to
+# deliver again before the ledger's copy counts as the only one: a hand-back that never reached the broker
+# is recovered after this long.
+HAND_BACK_GRACE = timedelta(minutes=5)
 
 
 class Action(str, enum.Enum):
@@ -30,9 +34,10 @@ class Evidence(str, enum.Enum):
     """What proved the owner alive or gone."""
 
     WORKER_HOLDS_TASK = "worker_holds_task"
+    BOOT_ALIVE = "boot_alive"  # the worker boot its ledger entry names still holds its lease
+    LEASE_LAPSED = "lease_lapsed"  # that boot's lease is gone: the boot gave up what it ran (fence.py)
     WORKER_ANSWERED_WITHOUT_TASK = "worker_answered_without_task"
     NO_REPLY_LEASE_FRESH = "no_reply_lease_fresh"
-    NO_REPLY_LEASE_LAPSED = "no_reply_lease_lapsed"
     NO_REPLY_NO_LEASE = "no_reply_no_lease"
     FOUND_AT_BOOT = "found_at_boot"  # the worker's next boot found it among its own name's tasks
     POOL_CHILD_LOST = "pool_child_lost"  # its pool process died (often the OOM killer); the worker lived
@@ -52,6 +57,7 @@ class Reason(str, enum.Enum):
     BY_OPERATOR = "by_operator"  # a person chose to close it rather than recover it
     ALREADY_FINISHED = "already_finished"
     ALREADY_SENT = "already_sent"  # an earlier sweep sent it again but could not finish its bookkeeping
+    HANDED_BACK = "handed_back"  # its worker gave the message back to the broker, which delivers it again
     ALIVE = "alive"
     IN_GRACE = "in_grace"
     NO_WORKER = "no_worker"
@@ -62,7 +68,7 @@ class Reason(str, enum.Enum):
 ORPHAN_EVIDENCE = frozenset(
     {
         Evidence.WORKER_ANSWERED_WITHOUT_TASK,
-        Evidence.NO_REPLY_LEASE_LAPSED,
+        Evidence.LEASE_LAPSED,
         Evidence.NO_REPLY_NO_LEASE,
         Evidence.FOUND_AT_BOOT,
         Evidence.POOL_CHILD_LOST,
@@ -90,6 +96,7 @@ class Candidate:
     content_type: str | None = None  # of the ledger entry's message
     problem: str | None = None  # why a record could not be read
     sent_again: bool = False  # its entry's delivery was already sent again, as recovery ``attempts``
+    handed_back_at: datetime | None = None  # when its worker gave the message back to the broker
 
 
 @dataclass(frozen=True)
@@ -105,24 +112,6 @@ class WorkerView:
     def answers_for(self, task_id: str) -> bool:
         """Whether the node replied, and was asked whether it holds ``task_id``."""
         return self.replied and (self.asked is None or task_id in self.asked)
-
-    def merged_with(self, later: WorkerView) -> WorkerView:
-        """What this view and a later one of the same node say together."""
-        return WorkerView(
-            replied=self.replied or later.replied,
-            held=self.held | later.held,
-            fresh_boots=self.fresh_boots | later.fresh_boots,
-            at_boot=self.at_boot or later.at_boot,
-            asked=_asked_by(self, later),
-        )
-
-
-def _asked_by(*views: WorkerView) -> frozenset[str] | None:
-    """The ids the replies among ``views`` speak for."""
-    replies = [v for v in views if v.replied]
-    if any(v.asked is None for v in replies):
-        return None
-    return frozenset().union(*(v.asked or frozenset() for v in replies))
 
 
 # Content types whose bodies are data, never code. A pickled message is never sent again.
@@ -192,7 +181,13 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
         )
     if c.started_at > policy.now - policy.grace:
         return Decision(c.task_id, Action.LEAVE, Reason.IN_GRACE)
-
+    if c.handed_back_at is not None and c.handed_back_at > policy.now - HAND_BACK_GRACE:
+        return Decision(
+            c.task_id,
+            Action.LEAVE,
+            Reason.HANDED_BACK,
+            detail=f"its worker gave the message back to the broker at {c.handed_back_at.isoformat()}",
+        )
     evidence = judge(c, worker or WorkerView(replied=False))
     if evidence not in ORPHAN_EVIDENCE:
         return Decision(c.task_id, Action.LEAVE, Reason.ALIVE, evidence)
@@ -200,20 +195,25 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
 
 
 def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
-    """Alive or gone, from the worker's answer first and its lease when it did not answer.
+    """Alive or gone: from the lease of the boot that runs it, or from its worker's answer.
 
-    A reply speaks only for the ids the worker was asked about: for any other, its lease decides.
+    A ledger entry names the worker boot that runs the task. While that boot holds its lease it is alive;
+    once the lease is gone the boot has given up what it ran (a worker stops its executions before its
+    lease can lapse: ``worker/fence.py``), so no question need be asked. A task known from its result row
+    alone may be run by any live boot of its node name: that node's answer decides, and without one, its
+    leases. A booting worker's own view is exact for the earlier boots of its name.
     """
-    if worker.answers_for(candidate.task_id):
-        if candidate.task_id in worker.held:
-            return Evidence.WORKER_HOLDS_TASK
-        return Evidence.FOUND_AT_BOOT if worker.at_boot else Evidence.WORKER_ANSWERED_WITHOUT_TASK
-    if candidate.boot is not None:
-        if candidate.boot in worker.fresh_boots:
-            return Evidence.NO_REPLY_LEASE_FRESH
-        return Evidence.NO_REPLY_LEASE_LAPSED
-    # No boot id (a row without a ledger entry): any live boot under that name may be running it.
-    return Evidence.NO_REPLY_LEASE_FRESH if worker.fresh_boots else Evidence.NO_REPLY_NO_LEASE
+    c, w = candidate, worker
+    if w.at_boot:
+        return Evidence.WORKER_HOLDS_TASK if c.task_id in w.held else Evidence.FOUND_AT_BOOT
+    if c.boot is not None:
+        if c.boot not in w.fresh_boots:
+            return Evidence.LEASE_LAPSED
+        held = w.answers_for(c.task_id) and c.task_id in w.held
+        return Evidence.WORKER_HOLDS_TASK if held else Evidence.BOOT_ALIVE
+    if w.answers_for(c.task_id):
+        return Evidence.WORKER_HOLDS_TASK if c.task_id in w.held else Evidence.WORKER_ANSWERED_WITHOUT_TASK
+    return Evidence.NO_REPLY_LEASE_FRESH if w.fresh_boots else Evidence.NO_REPLY_NO_LEASE
 
 
 def after_pool_loss(candidate: Candidate, policy: Policy) -> Decision:

@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import hashlib
 
-# KEYS[1..4]: the task's fence, entry, the in-flight index, its checkpoint. ARGV[1..8]: task id, retries,
-# recovery attempt, token, entry JSON, time, the task's recovery cap (0: count no redelivery) and the
-# fence's TTL. Then, carried along so an acknowledgement costs the worker no round trip of its own:
-# KEYS[5..] entries to remove, ARGV[9..] their token and task id in pairs. Those go first, so an entry
-# being replaced by a new copy of the same task is removed before it is.
-# An entry of the same copy (retries and attempt) still there, written by another execution, is an
+# KEYS[1..4]: the task's fence, entry, the in-flight index, its checkpoint. ARGV[1..10]: task id, retries,
+# recovery attempt, token, entry JSON, time, the task's recovery cap (0: count no redelivery), the fence's
+# TTL, the writing boot's lease key, and '1' to drop a duplicate of a live execution. Then, carried along
+# so an acknowledgement costs the worker no round trip of its own: KEYS[5..] entries to remove,
+# ARGV[11..] their token and task id in pairs. Those go first, so an entry being replaced by a new copy of
+# the same task is removed before it is.
+# An entry of the same copy (retries and attempt) still there was written by another execution of that
+# very message. While that execution's boot holds its lease (or is the writer's own boot), it is alive:
+# this delivery is a duplicate of it (a transport restoring a long task past its visibility timeout, an
+# ETA copy, a redelivery after a lost connection), and is refused ('single flight'). Otherwise it is an
 # orphan the broker has delivered again (RabbitMQ does at once when a worker dies): the delivery counts
-# as a recovery, up to the cap. A copy a recovery sent carries a higher attempt than the entry it
-# replaces, and is not counted again. The fence's 'copy' is the attempt the current copy carries, which
-# such a count leaves as it was; the fence drops copies older than it.
-# Returns {0 stale / 1 admitted / 2 admitted with a checkpoint, recoveries, 1 counted / 2 at the cap},
-# and for a redelivery, the entry it replaced: the record names the worker that lost the task.
+# as a recovery, up to the cap; an entry handed back at a shutdown or a requeue is not counted. A copy a
+# recovery sent carries a higher attempt than the entry it replaces, and is not counted again. The
+# fence's 'copy' is the attempt the current copy carries, which such a count leaves as it was; the fence
+# drops copies older than it.
+# Returns {0 stale / 1 admitted / 2 admitted with a checkpoint / 3 a duplicate of a live execution,
+# recoveries, 1 counted / 2 at the cap}, and the entry found for the same copy, if any: the record names
+# the worker that lost the task, or the one that runs it.
 ADMIT = """
 for i = 5, #KEYS do
-  local j = 9 + 2 * (i - 5)
+  local j = 11 + 2 * (i - 5)
   if redis.call('HGET', KEYS[i], 'token') == ARGV[j] then
     redis.call('DEL', KEYS[i])
     redis.call('ZREM', KEYS[3], ARGV[j + 1])
@@ -39,24 +45,32 @@ if msg_retries < retries or (msg_retries == retries and msg_attempt < current) t
   return {0, attempts, 0}
 end
 local copy = ARGV[2] .. ':' .. ARGV[3]
-local redelivered, lost = 0, false
-if tonumber(ARGV[7]) > 0 then
-  local old = redis.call('HMGET', KEYS[2], 'token', 'copy', 'entry')
+local redelivered, found = 0, false
+if tonumber(ARGV[7]) > 0 or ARGV[10] == '1' then
+  local old = redis.call('HMGET', KEYS[2], 'token', 'copy', 'entry', 'lease', 'handed_back')
   if old[1] and old[2] == copy then
-    lost = old[3]
-    if attempts >= tonumber(ARGV[7]) then
-      redelivered = 2
-    else
-      attempts = attempts + 1
-      redelivered = 1
-      redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[2], 'copy', ARGV[3])
-      redis.call('EXPIRE', KEYS[1], ARGV[8])
+    found = old[3]
+    local owner = old[4]
+    if ARGV[10] == '1' and not old[5] and owner
+        and (owner == ARGV[9] or redis.call('EXISTS', owner) == 1) then
+      return {3, attempts, 0, found}
+    end
+    if tonumber(ARGV[7]) > 0 and not old[5] then
+      if attempts >= tonumber(ARGV[7]) then
+        redelivered = 2
+      else
+        attempts = attempts + 1
+        redelivered = 1
+        redis.call('HSET', KEYS[1], 'attempts', attempts, 'retries', ARGV[2], 'copy', ARGV[3])
+        redis.call('EXPIRE', KEYS[1], ARGV[8])
+      end
     end
   end
 end
-redis.call('HSET', KEYS[2], 'token', ARGV[4], 'entry', ARGV[5], 'copy', copy)
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'token', ARGV[4], 'entry', ARGV[5], 'copy', copy, 'lease', ARGV[9])
 redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
-return {1 + redis.call('EXISTS', KEYS[4]), attempts, redelivered, lost}
+return {1 + redis.call('EXISTS', KEYS[4]), attempts, redelivered, found}
 """
 
 ADMIT_SHA = hashlib.sha1(ADMIT.encode()).hexdigest()  # what Redis names it by
@@ -90,10 +104,11 @@ return released
 LOAD = """
 local out = {}
 for i = 1, #KEYS, 2 do
-  local e = redis.call('HMGET', KEYS[i], 'token', 'entry')
+  local e = redis.call('HMGET', KEYS[i], 'token', 'entry', 'handed_back')
   local f = redis.call('HMGET', KEYS[i + 1], 'attempts', 'claimed', 'sent')
   out[#out + 1] = e[1]
   out[#out + 1] = e[2]
+  out[#out + 1] = e[3]
   out[#out + 1] = f[1]
   out[#out + 1] = f[2]
   out[#out + 1] = f[3]
@@ -162,3 +177,32 @@ return 0
 # How long a claim holds other sweeps off an entry: longer than a sweep takes from its claim to
 # its commit, as long as the Redis sweep lock lives (sweep/lock.py, REDIS_LOCK_SECONDS).
 CLAIM_SECONDS = 300
+
+# KEYS: a worker boot's lease, its node's boots. ARGV: the lease's value, its length in ms, the boot id,
+# '1' for the boot's first write. A renewal never brings back a lease that is gone: once it lapsed (or
+# vanished), a sweep may have judged the boot dead, and the boot must give up what it runs instead. The
+# node's boots keep, in Redis's own time (so no two hosts' clocks are compared), when each boot last
+# renewed and until when that renewal holds: "renewed_ms:until_ms". Returns 1 if written, else 0.
+RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local written
+if ARGV[4] == '1' then
+  written = redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX')
+else
+  written = redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'XX')
+end
+if not written then return 0 end
+redis.call('HSET', KEYS[2], ARGV[3], now .. ':' .. (now + tonumber(ARGV[2])))
+return 1
+"""
+
+# KEYS: a task's entry. ARGV: the token it was written with, the time. A worker hands the message of an
+# execution back to the broker (a shutdown that cancels it, a requeue): the entry stays, so the task is
+# not forgotten should the message never come back, but marked, so no sweep takes the execution for an
+# orphan while the broker holds the message. Returns 1 if marked.
+HAND_BACK = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'handed_back', ARGV[2])
+return 1
+"""

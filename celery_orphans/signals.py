@@ -3,7 +3,7 @@
 Every signal is sent with ``sender=OrphanEvent`` and these keyword arguments:
 
 - ``task_id``, ``task_name``, ``worker``: the task and the node name that lost it;
-- ``evidence``: what proved it orphaned (``no_reply_lease_lapsed``, ``found_at_boot``, ...);
+- ``evidence``: what proved it orphaned (``lease_lapsed``, ``found_at_boot``, ...);
 - ``reason``: the decision's reason (``recoverable``, ``not_recoverable``, ``limit_reached``, ...);
 - ``attempt``: the recovery attempt sent (``orphan_recovered``) or the count reached;
 - ``trigger``: what ran the sweep (``beat``, ``command``, ``worker_boot``, ``worker``, ``admin``, ``api``).

@@ -86,3 +86,12 @@ def exit_code_of(pid: int, timeout: float = 10.0) -> int:
             pytest.fail(f"the forked child {pid} did not exit")
         time.sleep(0.01)
     return os.waitstatus_to_exitcode(waited[1])
+
+
+def lapse(redis_client: redis.Redis, node: str, boot: str) -> None:
+    """End a boot's lease as time would: the key goes, and its node's record says its renewal expired."""
+    keys = Keys.current()
+    seconds, micros = redis_client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    redis_client.delete(keys.lease(node, boot))
+    redis_client.hset(keys.boots(node), boot, f"{now_ms - 1000}:{now_ms}")

@@ -16,11 +16,10 @@ from django.utils.http import urlencode
 from django_celery_results.models import TaskResult
 
 from celery_orphans.models import OrphanEvent
-from celery_orphans.store import Keys
 from celery_orphans.sweep.lock import ADVISORY_LOCK_ID
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
-from tests.helpers import wait_for
+from tests.helpers import lapse, wait_for
 
 CHANGELIST = reverse("admin:celery_orphans_orphanevent_changelist")
 IN_FLIGHT = reverse("admin:celery_orphans_inflight")
@@ -34,7 +33,7 @@ def event(task_id: str | None = None, **fields: object) -> OrphanEvent:
         "worker": "w1@test",
         "action": "recovered",
         "reason": "recoverable",
-        "evidence": "no_reply_lease_lapsed",
+        "evidence": "lease_lapsed",
         "detail": "recovery 1 of 3",
         "attempt": 1,
         "trigger": "beat",
@@ -294,7 +293,7 @@ def test_every_verdict_is_shown_with_its_worker_evidence_and_last_heartbeat(
     alive = factories.orphan(worker="beating@test")
     # A boot that beat a moment ago and then lost its lease: killed just now.
     Heartbeat("killed@test", boot="dead-boot").renew()
-    redis_client.delete(Keys.current().lease("killed@test", "dead-boot"))
+    lapse(redis_client, "killed@test", "dead-boot")
     recover = factories.orphan(worker="killed@test")
     scan = factories.orphan("demoapp.scan", ("db",))
     pickled = factories.orphan(content_type="application/x-python-serialize")
@@ -313,14 +312,14 @@ def test_every_verdict_is_shown_with_its_worker_evidence_and_last_heartbeat(
         unknown: "unreadable: task 'nowhere.task' is not registered in this Celery app",
     }
     rows = {row.outcome.decision.task_id: row for row in response.context["rows"]}
-    assert rows[alive].outcome.decision.evidence.value == "no_reply_lease_fresh"
-    assert rows[recover].outcome.decision.evidence.value == "no_reply_lease_lapsed"
+    assert rows[alive].outcome.decision.evidence.value == "boot_alive"
+    assert rows[recover].outcome.decision.evidence.value == "lease_lapsed"
     assert rows[recover].outcome.worker == "killed@test"
     assert rows[recover].beat_age is not None and 0 <= rows[recover].beat_age < 10
     assert rows[scan].beat_age is None
     assert rows[scan].beat_age_text == "no heartbeat on record"
     page = response.content.decode()
-    for text in ("killed@test", "no_reply_lease_lapsed", "Recover now", "Mark terminal", "not recoverable"):
+    for text in ("killed@test", "lease_lapsed", "Recover now", "Mark terminal", "not recoverable"):
         assert text in page
     assert f'name="task_id" value="{recover}"' in page
 

@@ -33,8 +33,9 @@ from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep import broker, runner
-from celery_orphans.sweep.candidates import BootScope
+from celery_orphans.sweep.values import BootScope
 from celery_orphans.tasks import reconcile
+from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
 from tests.helpers import ROOT, database_url, wait_for
 from tests.test_locks import advisory_locks_held, postgres_only
@@ -204,15 +205,20 @@ def test_a_sweep_that_looks_between_anothers_claim_and_commit_does_not_send_the_
 
 @postgres_only
 def test_lock_held_by_a_sweep_process_that_is_killed_mid_sweep_is_released(
-    orphans: list[str], redis_client: Any
+    orphans: list[str], redis_client: Any, settings: Any
 ) -> None:
-    # The holder waits a minute for the silent node's reply while it holds the lock: killed meanwhile.
+    # A task only a result row knows of, on a node whose lease is fresh but which never answers: the holder
+    # waits a minute for that node's reply while it holds the lock, and is killed meanwhile.
+    settings.CELERY_ORPHANS_LEASE_SECONDS = 300
+    Heartbeat("silent@test", boot="silent-boot").renew()
+    factories.orphan(worker="silent@test", entry=False)
     environ = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
         "DATABASE_URL": database_url(),
         "CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS": "60",
         "CELERY_ORPHANS_SWEEP_STALL_SECONDS": "120",  # above the wait, or the check E009 refuses it
+        "CELERY_ORPHANS_LEASE_SECONDS": "300",
     }
     holder = subprocess.Popen(
         [sys.executable, "testproject/manage.py", "reconcile_orphan_tasks"],

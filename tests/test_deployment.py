@@ -185,7 +185,7 @@ def test_without_the_remap_sigterm_waits_for_the_running_task_past_the_soft_shut
     reason="A cold shutdown puts the message back on the queue but leaves the task's ledger entry and "
     "STARTED row behind, and Celery sends no worker_shutdown on that path, so the lease lapses instead of "
     "being dropped: a sweep that runs before another worker takes the message judges the task orphaned "
-    "(no_reply_lease_lapsed), recovers it (attempt 1 counted against the cap, a 'recovered' audit event, "
+    "(lease_lapsed), recovers it (attempt 1 counted against the cap, a 'recovered' audit event, "
     "a second copy published) and the handed-back copy is later dropped as stale.",
 )
 def test_a_task_handed_back_by_a_cold_shutdown_is_not_counted_as_a_recovery(workers, redis_client):
@@ -312,7 +312,7 @@ def test_the_guides_metrics_server_exports_a_recovery_made_in_a_pool_process(
     celery_app.send_task("celery_orphans.reconcile")  # as Beat would; a pool process runs it
 
     samples = wait_for(lambda: _swept(port), 30, "the sweep's metrics on the worker's port")
-    recovered = ("demoapp.summarize", "no_reply_lease_lapsed")
+    recovered = ("demoapp.summarize", "lease_lapsed")
     key = ("celery_orphans_recovered_total", (("evidence", recovered[1]), ("task_name", recovered[0])))
     assert samples is not None
     assert samples[key] == 1

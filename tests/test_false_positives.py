@@ -128,7 +128,7 @@ def test_worker_whose_broker_connections_are_cut_and_restored_is_not_recovered(w
     strict=False,
     reason="In two of seven full runs of the suite (Python 3.11 and 3.12, Celery 5.7) the worker, started "
     "moments before and holding its task, never answered the sweep's query_task, within 1 s and within 5 s "
-    "alike, so it was judged dead (no_reply_lease_lapsed) and its task recovered while it ran. Alone, and "
+    "alike, so it was judged dead (lease_lapsed) and its task recovered while it ran. Alone, and "
     "with its file, it passes every time; the cause is not known.",
 )
 def test_worker_whose_lease_lapsed_is_asked_about_its_own_task_before_it_is_judged(workers, redis_client):

@@ -42,9 +42,8 @@ def test_fresh_boots_reports_every_live_boot_under_each_node(
 def test_a_lease_that_is_not_renewed_lapses_on_its_own(
     beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
-    short_lease.CELERY_ORPHANS_HEARTBEAT_SECONDS = 60  # started, but it will not beat again in this test
     stale, live = beat(node), beat(node)
-    stale.start()
+    stale.renew()  # once, and never again
     live.start()
     assert fresh_boots([node])[node] == {stale.boot, live.boot}
     live.stop()

@@ -498,7 +498,7 @@ CAP = 3
 
 def redeliver(ledger: Ledger, e: Entry, releases: list[tuple[str, str]] | None = None) -> Admission:
     """Admit ``e`` as a worker does; the entry it replaced is checked on its own."""
-    return dataclasses.replace(ledger.admit_delivery(e, releases or [], cap=CAP, ttl=TTL), lost=None)
+    return dataclasses.replace(ledger.admit_delivery(e, releases or [], cap=CAP, ttl=TTL), previous=None)
 
 
 def test_a_copy_that_replaces_the_unreleased_entry_of_the_same_copy_counts_as_a_recovery(
@@ -520,8 +520,8 @@ def test_a_counted_redelivery_names_the_entry_it_replaced(ledger: Ledger) -> Non
 
     admission = ledger.admit_delivery(work_entry("t"), cap=CAP, ttl=TTL)
 
-    assert admission.lost == dataclasses.replace(lost, token="")
-    assert ledger.admit_delivery(work_entry("t", retries=1), cap=CAP, ttl=TTL).lost is None
+    assert admission.previous == dataclasses.replace(lost, token="")
+    assert ledger.admit_delivery(work_entry("t", retries=1), cap=CAP, ttl=TTL).previous is None
 
 
 def test_a_counted_redelivery_stays_the_current_copy_and_is_counted_each_time_it_is_lost(

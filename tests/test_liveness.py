@@ -52,32 +52,6 @@ def test_the_wait_ends_as_soon_as_every_node_answered(workers, celery_app):
     wait_for(result.ready, 30, "the task to end")
 
 
-def test_meanwhile_runs_once_during_the_wait_and_its_error_is_not_retried(workers, celery_app):
-    calls = []
-
-    def meanwhile() -> None:
-        calls.append(time.monotonic())
-        raise ConnectionError("the ledger went away")
-
-    asked = time.monotonic()
-    with pytest.raises(ConnectionError, match="the ledger went away"):
-        liveness.ask_workers(celery_app, [DEAD], [], timeout=3.0, meanwhile=meanwhile)
-    ended = time.monotonic()
-
-    assert len(calls) == 1
-    assert ended - calls[0] >= 2.0  # it ran during the wait, not after it
-    assert ended - asked >= 3.0  # the question still had its whole timeout
-
-
-def test_no_node_to_ask_still_runs_meanwhile(celery_app):
-    calls = []
-    assert (
-        liveness.ask_workers(celery_app, [], ["some-id"], timeout=5.0, meanwhile=lambda: calls.append(1))
-        == {}
-    )
-    assert calls == [1]
-
-
 def test_a_question_whose_replies_were_cut_off_leaves_no_binding_that_hides_the_next_ones_replies(
     workers, redis_client, celery_app, monkeypatch
 ):

@@ -10,6 +10,7 @@ from celery_orphans import sweep
 from celery_orphans.models import Trigger
 from celery_orphans.worker import heartbeat
 from tests import factories
+from tests.helpers import lapse
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,7 +28,7 @@ def test_recoveries_terminal_marks_sweeps_and_time_since_the_last_heartbeat_are_
     before = scrape()
     beat = heartbeat.Heartbeat(factories.GHOST, boot="dead-boot")
     beat.renew()  # the dead worker's last beat
-    redis_client.delete(beat.keys.lease(beat.node, beat.boot))  # ...and its lease has lapsed
+    lapse(redis_client, beat.node, beat.boot)  # ...and its lease has lapsed
     factories.orphan("demoapp.summarize")
     factories.orphan("demoapp.scan", ("db",))
 
@@ -39,12 +40,7 @@ def test_recoveries_terminal_marks_sweeps_and_time_since_the_last_heartbeat_are_
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert (
-        grew(
-            "celery_orphans_recovered_total", task_name="demoapp.summarize", evidence="no_reply_lease_lapsed"
-        )
-        == 1
-    )
+    assert grew("celery_orphans_recovered_total", task_name="demoapp.summarize", evidence="lease_lapsed") == 1
     assert (
         grew("celery_orphans_marked_terminal_total", task_name="demoapp.scan", reason="not_recoverable") == 1
     )

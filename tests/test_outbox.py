@@ -17,6 +17,8 @@ from celery_orphans.worker.outbox import Outbox
 from tests.factories import work_entry
 from tests.helpers import exit_code_of, wait_for
 
+LEASE = "celery_orphans:lease:celery@host:boot-a"  # the writing boot's, as a worker passes it
+
 
 def recovered_once(redis_client: redis.Redis, task_id: str) -> None:
     """The fence a recovery leaves: every copy older than attempt 1 is stale."""
@@ -34,11 +36,11 @@ def test_an_entry_is_sent_without_waiting_and_is_in_redis_once_answered(
 ) -> None:
     outbox = Outbox(delay=60)
     e = work_entry("t")
-    outbox.admit(ledger, work_entry("warm-up"))  # the connection is made before Redis is paused
+    outbox.admit(ledger, work_entry("warm-up"), LEASE)  # the connection is made before Redis is paused
     redis_client.client_pause(2000, all=False)  # WRITE: every write waits
 
     started = time.monotonic()
-    outbox.admit(ledger, e)
+    outbox.admit(ledger, e, LEASE)
     sent_in = time.monotonic() - started
     outbox.settle()
 
@@ -51,11 +53,11 @@ def test_an_entry_whose_connection_broke_before_the_answer_is_written_again(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     outbox = Outbox(delay=60)
-    outbox.admit(ledger, work_entry("warm-up"))
+    outbox.admit(ledger, work_entry("warm-up"), LEASE)
     outbox.settle()
     redis_client.client_pause(5000, all=False)
     e = work_entry("t")
-    outbox.admit(ledger, e)  # held by the pause, then dropped with its connection
+    outbox.admit(ledger, e, LEASE)  # held by the pause, then dropped with its connection
     redis_client.client_kill_filter(_type="normal", skipme=True)
     redis_client.client_unpause()
 
@@ -69,7 +71,7 @@ def test_a_queued_removal_goes_with_the_next_entry_sent(ledger: Ledger) -> None:
     done = admitted(ledger, "done")
     outbox.release(ledger, "done", done.token)
 
-    outbox.admit(ledger, work_entry("next"))
+    outbox.admit(ledger, work_entry("next"), LEASE)
     outbox.settle()
 
     assert ledger.load(["done", "next"])["done"] is None
@@ -84,8 +86,8 @@ def test_an_error_answer_is_logged_and_the_connection_stays_usable(
     redis_client.set(Keys.current().fence("bad"), "not a hash")  # the write fails inside Redis
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
-        outbox.admit(ledger, work_entry("bad"))
-        outbox.admit(ledger, work_entry("good"))
+        outbox.admit(ledger, work_entry("bad"), LEASE)
+        outbox.admit(ledger, work_entry("good"), LEASE)
         outbox.settle()
 
     assert "cannot record demoapp.work[bad] in the ledger" in caplog.text
@@ -100,7 +102,7 @@ def test_a_copy_whose_fence_moved_on_is_logged_as_a_task_id_sent_twice(
     recovered_once(redis_client, "twice")
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
-        outbox.admit(ledger, work_entry("twice"))
+        outbox.admit(ledger, work_entry("twice"), LEASE)
         outbox.settle()
 
     assert "was the same task id sent twice?" in caplog.text
@@ -114,7 +116,7 @@ def test_an_entry_that_cannot_be_sent_raises_and_the_removals_stay_queued(redis_
     outbox.release(unreachable, "done", "token")
 
     with pytest.raises(redis.ConnectionError):
-        outbox.admit(unreachable, work_entry("t"))
+        outbox.admit(unreachable, work_entry("t"), LEASE)
 
     assert outbox.take(unreachable) == [("done", "token")]
 
@@ -155,12 +157,12 @@ def test_an_entry_sent_after_redis_lost_its_scripts_is_written_the_slow_way(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     outbox = Outbox(delay=60)
-    outbox.admit(ledger, work_entry("warm-up"))  # the script is loaded with the outbox's connection
+    outbox.admit(ledger, work_entry("warm-up"), LEASE)  # the script is loaded with the outbox's connection
     outbox.settle()
     redis_client.script_flush()
     e = work_entry("t")
 
-    outbox.admit(ledger, e)
+    outbox.admit(ledger, e, LEASE)
     outbox.settle()
 
     assert ledger.load(["t"])["t"] == e
@@ -173,7 +175,7 @@ def test_answers_are_read_by_the_thread_without_another_write(
     recovered_once(redis_client, "twice")
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.outbox"):
-        outbox.admit(ledger, work_entry("twice"))
+        outbox.admit(ledger, work_entry("twice"), LEASE)
         wait_for(lambda: "was the same task id sent twice?" in caplog.text, 5, "the answer to be read")
 
 
@@ -182,7 +184,7 @@ def test_a_forked_child_writes_on_its_own_connection_even_if_the_fork_caught_the
 ) -> None:
     outbox = Outbox(delay=60)
     parent, child = work_entry("parent", token="p"), work_entry("child", token="c")
-    outbox.admit(ledger, parent)  # the parent's connection and thread exist
+    outbox.admit(ledger, parent, LEASE)  # the parent's connection and thread exist
     parent_conn = outbox._lines[ledger].conn
     outbox._lock.acquire()  # as if the parent's thread were flushing when the worker forked
     try:
@@ -190,7 +192,7 @@ def test_a_forked_child_writes_on_its_own_connection_even_if_the_fork_caught_the
         if pid == 0:
             code = 1
             try:
-                outbox.admit(ledger, child)
+                outbox.admit(ledger, child, LEASE)
                 outbox.settle()
                 code = 0 if outbox._lines[ledger].conn is not parent_conn else 2
             finally:

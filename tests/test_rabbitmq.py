@@ -102,7 +102,7 @@ def test_worker_that_never_returns_is_recovered_onto_another_and_the_redelivered
     doomed.kill()
 
     [outcome] = sweep_until_recovered({result.id}).values()
-    assert outcome.decision.evidence is Evidence.NO_REPLY_LEASE_LAPSED
+    assert outcome.decision.evidence is Evidence.LEASE_LAPSED
     # Both copies now wait in the queue: RabbitMQ's redelivery of the original and the recovered one.
     survivor = workers.start("rmq-survivor@test", env=on(amqp_broker), queues=("rmq-solo",))
 

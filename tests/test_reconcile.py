@@ -11,6 +11,7 @@ import pytest
 
 from celery_orphans.reconcile import (
     CLOCK_TOLERANCE,
+    HAND_BACK_GRACE,
     ORPHAN_EVIDENCE,
     READY_STATES,
     SAFE_CONTENT_TYPES,
@@ -66,45 +67,55 @@ def policy(**overrides: Any) -> Policy:
 # --- judge: alive or gone -------------------------------------------------------------------------
 
 
+FRESH = frozenset({BOOT})
+
+
 @pytest.mark.parametrize(
     ("boot", "view", "expected"),
     [
-        pytest.param(BOOT, HOLDS, Evidence.WORKER_HOLDS_TASK, id="replied-and-holds-the-task"),
+        # A ledger entry names the boot: its lease decides, a reply only says what it holds.
+        pytest.param(
+            BOOT, WorkerView(replied=False, fresh_boots=FRESH), Evidence.BOOT_ALIVE, id="boot-alive"
+        ),
         pytest.param(
             BOOT,
-            WorkerView(replied=True, held=frozenset({"other"}), fresh_boots=frozenset({BOOT})),
-            Evidence.WORKER_ANSWERED_WITHOUT_TASK,
-            id="replied-without-it-even-with-a-fresh-lease",
+            WorkerView(replied=True, held=frozenset({TASK}), fresh_boots=FRESH),
+            Evidence.WORKER_HOLDS_TASK,
+            id="boot-alive-and-holds-it",
         ),
         pytest.param(
-            None, ANSWERED_EMPTY, Evidence.WORKER_ANSWERED_WITHOUT_TASK, id="replied-without-it-no-boot"
+            BOOT,
+            WorkerView(replied=True, held=frozenset({"other"}), fresh_boots=FRESH),
+            Evidence.BOOT_ALIVE,
+            id="boot-alive-answered-without-it-so-it-ends-there",
         ),
+        pytest.param(BOOT, SILENT, Evidence.LEASE_LAPSED, id="boot-lapsed-no-leases"),
+        pytest.param(BOOT, HOLDS, Evidence.LEASE_LAPSED, id="boot-lapsed-its-stale-run-is-forfeit"),
+        pytest.param(
+            BOOT,
+            WorkerView(replied=True, fresh_boots=frozenset({"boot-b"})),
+            Evidence.LEASE_LAPSED,
+            id="boot-lapsed-restarted-under-the-same-name",
+        ),
+        # A booting worker's own view of its name's earlier boots.
         pytest.param(BOOT, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="own-next-boot-lacks-it"),
         pytest.param(None, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="own-next-boot-lacks-it-no-boot"),
         pytest.param(BOOT, AT_BOOT_HOLDS, Evidence.WORKER_HOLDS_TASK, id="own-next-boot-holds-it"),
+        # A result row alone: the node's answer, and its leases when it is silent.
+        pytest.param(None, HOLDS, Evidence.WORKER_HOLDS_TASK, id="row-only-replied-and-holds-it"),
         pytest.param(
-            BOOT,
-            WorkerView(replied=False, fresh_boots=frozenset({BOOT})),
-            Evidence.NO_REPLY_LEASE_FRESH,
-            id="silent-own-boot-fresh",
+            None, ANSWERED_EMPTY, Evidence.WORKER_ANSWERED_WITHOUT_TASK, id="row-only-replied-without-it"
         ),
-        pytest.param(
-            BOOT,
-            WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
-            Evidence.NO_REPLY_LEASE_LAPSED,
-            id="silent-own-boot-lapsed-other-boot-of-same-name-fresh",
-        ),
-        pytest.param(BOOT, SILENT, Evidence.NO_REPLY_LEASE_LAPSED, id="silent-own-boot-lapsed-no-leases"),
         pytest.param(
             None,
             WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
             Evidence.NO_REPLY_LEASE_FRESH,
-            id="silent-no-boot-any-fresh-lease-under-the-node",
+            id="row-only-silent-any-fresh-lease-under-the-node",
         ),
-        pytest.param(None, SILENT, Evidence.NO_REPLY_NO_LEASE, id="silent-no-boot-no-lease"),
+        pytest.param(None, SILENT, Evidence.NO_REPLY_NO_LEASE, id="row-only-silent-no-lease"),
     ],
 )
-def test_judge_reads_the_reply_first_and_the_lease_when_silent(
+def test_judge_reads_the_entrys_boot_lease_and_for_a_row_alone_the_nodes_answer(
     boot: str | None, view: WorkerView, expected: Evidence
 ) -> None:
     assert judge(candidate(boot=boot), view) is expected
@@ -112,26 +123,25 @@ def test_judge_reads_the_reply_first_and_the_lease_when_silent(
 
 def test_a_held_id_of_another_task_is_not_this_task_held() -> None:
     view = WorkerView(replied=True, held=frozenset({TASK}))
-    assert judge(candidate(task_id="t-2"), view) is Evidence.WORKER_ANSWERED_WITHOUT_TASK
+    assert judge(candidate(task_id="t-2", boot=None), view) is Evidence.WORKER_ANSWERED_WITHOUT_TASK
 
 
 def test_a_reply_speaks_only_for_the_ids_the_worker_was_asked_about() -> None:
     view = WorkerView(replied=True, asked=frozenset({"t-2"}), fresh_boots=frozenset({"boot-b"}))
 
-    assert judge(candidate(), view) is Evidence.NO_REPLY_LEASE_LAPSED
-    assert judge(candidate(task_id="t-2"), view) is Evidence.WORKER_ANSWERED_WITHOUT_TASK
+    assert judge(candidate(boot=None), view) is Evidence.NO_REPLY_LEASE_FRESH
+    assert judge(candidate(task_id="t-2", boot=None), view) is Evidence.WORKER_ANSWERED_WITHOUT_TASK
 
 
-def test_a_later_reply_adds_what_it_was_asked_about() -> None:
-    first = WorkerView(replied=True, asked=frozenset({"t-2"}))
-    later = WorkerView(replied=True, held=frozenset({TASK}), asked=frozenset({TASK}))
+def test_a_task_its_worker_handed_back_to_the_broker_is_left_to_the_broker_for_a_while() -> None:
+    back = candidate(handed_back_at=NOW - timedelta(minutes=1))
+    long_ago = candidate(handed_back_at=NOW - HAND_BACK_GRACE - timedelta(seconds=1))
 
-    merged = first.merged_with(later)
-
-    assert merged.asked == {TASK, "t-2"}
-    assert judge(candidate(), merged) is Evidence.WORKER_HOLDS_TASK
-    assert first.merged_with(WorkerView(replied=False)).asked == {"t-2"}  # silence asks nothing
-    assert first.merged_with(HOLDS).asked is None  # a reply to every id speaks for every id
+    assert (decide(back, SILENT, policy()).action, decide(back, SILENT, policy()).reason) == (
+        Action.LEAVE,
+        Reason.HANDED_BACK,
+    )
+    assert decide(long_ago, SILENT, policy()).action is Action.RECOVER
 
 
 # --- decide: cases that cannot be judged ----------------------------------------------------------
@@ -206,7 +216,7 @@ def test_a_task_exactly_as_old_as_the_grace_period_is_judged() -> None:
     decision = decide(candidate(started_at=NOW - GRACE), SILENT, policy())
 
     assert decision.action is Action.RECOVER
-    assert decision.evidence is Evidence.NO_REPLY_LEASE_LAPSED
+    assert decision.evidence is Evidence.LEASE_LAPSED
 
 
 def test_zero_grace_judges_a_task_started_this_instant() -> None:
@@ -221,13 +231,16 @@ def test_zero_grace_judges_a_task_started_this_instant() -> None:
 @pytest.mark.parametrize(
     ("boot", "view", "evidence"),
     [
-        pytest.param(BOOT, HOLDS, Evidence.WORKER_HOLDS_TASK, id="worker-holds-task"),
         pytest.param(
             BOOT,
-            WorkerView(replied=False, fresh_boots=frozenset({BOOT})),
-            Evidence.NO_REPLY_LEASE_FRESH,
-            id="silent-but-own-lease-fresh",
+            WorkerView(replied=True, held=frozenset({TASK}), fresh_boots=FRESH),
+            Evidence.WORKER_HOLDS_TASK,
+            id="worker-holds-task",
         ),
+        pytest.param(
+            BOOT, WorkerView(replied=False, fresh_boots=FRESH), Evidence.BOOT_ALIVE, id="boot-alive"
+        ),
+        pytest.param(None, HOLDS, Evidence.WORKER_HOLDS_TASK, id="row-only-worker-holds-task"),
         pytest.param(
             None,
             WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
@@ -249,7 +262,7 @@ def test_a_missing_worker_view_counts_as_no_reply() -> None:
     with_entry = decide(candidate(), None, policy())
     without_entry = decide(candidate(boot=None, has_entry=False), None, policy())
 
-    assert with_entry.evidence is Evidence.NO_REPLY_LEASE_LAPSED
+    assert with_entry.evidence is Evidence.LEASE_LAPSED
     assert with_entry.action is Action.RECOVER
     assert without_entry.evidence is Evidence.NO_REPLY_NO_LEASE
     assert without_entry.action is Action.MARK_TERMINAL
@@ -260,13 +273,20 @@ def test_a_missing_worker_view_counts_as_no_reply() -> None:
 
 @pytest.mark.parametrize("status", sorted(READY_STATES))
 def test_an_orphan_whose_row_already_finished_is_forgotten(status: str) -> None:
-    decision = decide(candidate(row_status=status, attempts=1), ANSWERED_EMPTY, policy())
+    decision = decide(candidate(row_status=status, attempts=1), SILENT, policy())
 
     assert decision.action is Action.FORGET
     assert decision.reason is Reason.ALREADY_FINISHED
-    assert decision.evidence is Evidence.WORKER_ANSWERED_WITHOUT_TASK
+    assert decision.evidence is Evidence.LEASE_LAPSED
     assert status in decision.detail
     assert decision.attempt == 1
+
+
+def test_a_finished_task_whose_boot_is_alive_is_left_for_its_worker_to_clean_up() -> None:
+    # Between an acknowledgement and the entry's removal, which the worker sends a moment later.
+    decision = decide(candidate(row_status="SUCCESS"), WorkerView(replied=False, fresh_boots=FRESH), policy())
+
+    assert (decision.action, decision.evidence) == (Action.LEAVE, Evidence.BOOT_ALIVE)
 
 
 def test_a_finished_row_is_forgotten_even_when_it_could_not_be_recovered() -> None:
@@ -424,7 +444,7 @@ def test_an_orphan_within_its_limits_is_recovered(
         TASK,
         Action.RECOVER,
         Reason.RECOVERABLE,
-        Evidence.NO_REPLY_LEASE_LAPSED,
+        Evidence.LEASE_LAPSED,
         f"recovery {c.attempts + 1} of {cap}",
         c.attempts + 1,
     )
@@ -434,12 +454,12 @@ def test_an_orphan_within_its_limits_is_recovered(
 @pytest.mark.parametrize(
     ("boot", "view", "evidence"),
     [
-        pytest.param(BOOT, ANSWERED_EMPTY, Evidence.WORKER_ANSWERED_WITHOUT_TASK, id="answered-without-it"),
+        pytest.param(None, ANSWERED_EMPTY, Evidence.WORKER_ANSWERED_WITHOUT_TASK, id="answered-without-it"),
         pytest.param(BOOT, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="its-own-next-boot-lacks-it"),
         pytest.param(
             BOOT,
             WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
-            Evidence.NO_REPLY_LEASE_LAPSED,
+            Evidence.LEASE_LAPSED,
             id="own-boot-lapsed-while-a-new-boot-runs",
         ),
         pytest.param(None, SILENT, Evidence.NO_REPLY_NO_LEASE, id="no-boot-no-lease"),

@@ -104,7 +104,7 @@ def test_worker_that_never_returns_is_proven_gone_by_its_lease_and_the_task_runs
 
     outcome = sweep_until(result.id, Action.RECOVER)
 
-    assert outcome.decision.evidence is Evidence.NO_REPLY_LEASE_LAPSED
+    assert outcome.decision.evidence is Evidence.LEASE_LAPSED
     assert result.get(timeout=30) == 9
     assert TaskResult.objects.get(task_id=result.id).worker == "survivor@test"
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
-from celery.worker import state
 
-from celery_orphans.worker.redelivery import first_hand, limits, marks_redeliveries
+from celery_orphans.worker.redelivery import first_hand, limits, marks_redeliveries, single_flight
 
 
 class Held:
@@ -25,14 +23,6 @@ def poison() -> Any:
     from demoapp.tasks import poison
 
     return poison  # @recoverable(max_attempts=2)
-
-
-@pytest.fixture
-def running_here() -> Iterator[set[Held]]:
-    held: set[Held] = set()
-    yield held
-    for request in held:
-        state.active_requests.discard(request)
 
 
 def test_a_redelivery_counts_against_the_tasks_own_cap_then_the_setting(settings: Any, poison: Any) -> None:
@@ -52,23 +42,24 @@ def test_nothing_is_counted_in_shadow_mode_or_when_disabled(settings: Any, poiso
     assert limits(Held(poison)) == (0, 0)
 
 
-def test_a_copy_delivered_while_this_worker_still_runs_the_task_is_not_counted(
-    poison: Any, running_here: set[Held]
+@pytest.mark.parametrize("setting", ["CELERY_ORPHANS_SHADOW_MODE", "CELERY_ORPHANS_ENABLED"])
+def test_duplicates_of_live_executions_are_dropped_only_when_recovery_is_on(
+    settings: Any, setting: str
 ) -> None:
-    running = Held(poison)
-    running_here.add(running)
-    state.active_requests.add(running)
+    assert single_flight() is True
 
-    assert limits(Held(poison)) == (0, 0)
-    assert limits(running) == (2, limits(Held(poison, "t-2"))[1])  # only another request of the same id
+    setattr(settings, setting, setting.endswith("SHADOW_MODE"))
+
+    assert single_flight() is False
 
 
 class Delivered(Held):
     """A request as the broker delivered it, for the first time or again."""
 
-    def __init__(self, task: Any, *, redelivered: bool) -> None:
+    def __init__(self, task: Any, *, redelivered: bool, eta: str | None = None) -> None:
         super().__init__(task)
         self.delivery_info = {"exchange": "", "routing_key": "celery", "redelivered": redelivered}
+        self.eta = eta
 
 
 @pytest.mark.parametrize(
@@ -91,3 +82,9 @@ def test_a_first_delivery_skips_the_fence_check_and_a_redelivery_does_not(poison
 
     assert first_hand(Delivered(poison, redelivered=False)) is True
     assert first_hand(Delivered(poison, redelivered=True)) is False
+
+
+def test_a_delivery_with_an_eta_is_always_checked(poison: Any) -> None:
+    # A transport restores an ETA message a worker holds past its visibility timeout: the first worker's
+    # copy, never delivered again, comes due at the same moment as the second worker's.
+    assert first_hand(Delivered(poison, redelivered=False, eta="2026-11-25T12:00:00+00:00")) is False

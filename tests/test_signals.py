@@ -55,7 +55,7 @@ def test_each_action_sends_detected_then_its_own_signal_with_the_documented_argu
         "task_id": recoverable,
         "task_name": "demoapp.summarize",
         "worker": factories.GHOST,
-        "evidence": "no_reply_lease_lapsed",
+        "evidence": "lease_lapsed",
         "reason": "recoverable",
         "attempt": 1,
         "trigger": "command",

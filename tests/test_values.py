@@ -40,9 +40,7 @@ def test_a_dry_run_summary_says_what_would_have_been_done() -> None:
 
 def test_an_outcome_has_one_json_shape() -> None:
     o = Outcome(
-        Decision(
-            "t1", Action.RECOVER, Reason.RECOVERABLE, Evidence.NO_REPLY_LEASE_LAPSED, "recovery 1 of 3", 1
-        ),
+        Decision("t1", Action.RECOVER, Reason.RECOVERABLE, Evidence.LEASE_LAPSED, "recovery 1 of 3", 1),
         "demoapp.summarize",
         "w1@test",
         done=True,
@@ -54,7 +52,7 @@ def test_an_outcome_has_one_json_shape() -> None:
         "worker": "w1@test",
         "action": "recover",
         "reason": "recoverable",
-        "evidence": "no_reply_lease_lapsed",
+        "evidence": "lease_lapsed",
         "detail": "recovery 1 of 3",
         "attempt": 1,
         "done": True,

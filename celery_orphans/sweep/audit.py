@@ -54,6 +54,20 @@ def record(
     )
 
 
+def record_duplicate(task_id: str, task_name: str, worker: str, running_on: str) -> OrphanEvent:
+    """A worker dropped a delivery of a task that an execution on ``running_on`` runs and is alive."""
+    return OrphanEvent.objects.create(
+        task_id=task_id,
+        task_name=task_name[:255],
+        worker=worker[:255],
+        action=AuditAction.DUPLICATE_DROPPED,
+        reason="duplicate",
+        evidence="owner_alive",
+        detail=f"delivered again while it runs on {running_on}; the delivery was dropped",
+        trigger=Trigger.WORKER,
+    )
+
+
 def record_once(
     decision: Decision, *, task_name: str, worker: str, trigger: Trigger, user: str = "", shadow: bool = False
 ) -> OrphanEvent | None:

@@ -36,26 +36,6 @@ class Found:
     rows: dict[str, Row]
     ledger_ids: list[str]
 
-    def to_ask(self, cutoff: datetime) -> tuple[dict[str, set[str]], set[str]]:
-        """Whom to ask about what, before the entries are read: every id that may be judged.
-
-        The ids of the rows started before ``cutoff``, by the node each row names, and the ids to ask
-        every node about: those of rows naming no node, and the ledger's without such a row (their
-        node is known once their entry is read). An entry naming another node than its row is asked
-        about once the entries are read.
-        """
-        by_node: dict[str, set[str]] = {}
-        everyone = set(self.ledger_ids)
-        for row in self.rows.values():
-            if row.started_at is not None and row.started_at > cutoff:
-                continue
-            if row.worker:
-                by_node.setdefault(row.worker, set()).add(row.task_id)
-                everyone.discard(row.task_id)
-            else:
-                everyone.add(row.task_id)
-        return by_node, everyone
-
 
 def find(ledger: Ledger, cutoff: datetime | None, only: frozenset[str] | None = None) -> Found:
     """STARTED rows and ledger ids older than ``cutoff`` (or all), of the ``only`` ids, in two reads."""
@@ -140,10 +120,13 @@ def candidate(
         content_type=entry.delivery.content_type if entry else None,
         problem=problem,
         sent_again=sent_again and entry is not None,
+        handed_back_at=_moment(entry.handed_back_at) if entry and entry.handed_back_at else None,
     )
 
 
 def _entry_start(entry: Entry | None) -> datetime | None:
-    if entry is None:
-        return None
-    return datetime.fromtimestamp(entry.recorded_at, tz=dt_timezone.utc)
+    return None if entry is None else _moment(entry.recorded_at)
+
+
+def _moment(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, tz=dt_timezone.utc)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 
 import redis
 from celery import Celery
@@ -25,7 +24,6 @@ def ask_workers(
     nodes: Collection[str],
     task_ids: Collection[str],
     timeout: float,
-    meanwhile: Callable[[], object] | None = None,
 ) -> dict[str, frozenset[str]]:
     """Which of ``task_ids`` each node holds, for the nodes that answered; asked about no id, a node
     still answers, which says it is alive.
@@ -34,9 +32,8 @@ def ask_workers(
     seconds from the moment it is sent to answer: the wait ends as soon as every node has replied, or
     when that time is up. (Celery's ``inspect`` starts its wait over with each reply: twenty live
     workers answering one after another and one dead worker cost the timeout after the last reply.)
-    ``meanwhile`` runs in this thread during the wait, while a thread of its own gathers the replies.
     """
-    question = _Question(app, sorted(nodes), sorted(task_ids), timeout, meanwhile)
+    question = _Question(app, sorted(nodes), sorted(task_ids), timeout)
     try:
         return question.ask()
     except _BrokerLost as lost:
@@ -62,17 +59,14 @@ class _Question:
         destination: list[str],
         task_ids: list[str],
         timeout: float,
-        meanwhile: Callable[[], object] | None,
     ) -> None:
         self.app, self.destination, self.task_ids, self.timeout = app, destination, task_ids, timeout
-        self.meanwhile = meanwhile  # run once, even when the question is asked again
         self.expected = frozenset(destination)
         self.held: dict[str, frozenset[str]] = {}
         self.broken: BaseException | None = None
 
     def ask(self, conn: Connection | None = None) -> dict[str, frozenset[str]]:
         if not self.destination:
-            self._run_meanwhile()
             return {}
         errors = self.app.connection_for_write().connection_errors
         # What Celery's broadcast does (kombu's Mailbox: the question, then the replies on the reply
@@ -91,15 +85,7 @@ class _Question:
                 )
             except errors as exc:
                 raise _BrokerLost from exc
-            deadline = time.monotonic() + self.timeout
-            gathering = threading.Thread(
-                target=self._gather, args=(connection, mailbox, ticket, deadline), name="celery-orphans-ask"
-            )
-            gathering.start()
-            try:
-                self._run_meanwhile()
-            finally:
-                gathering.join()
+            self._gather(connection, mailbox, ticket, time.monotonic() + self.timeout)
             if conn is None and isinstance(self.broken, errors):
                 # A pooled connection the broker dropped goes back to the pool with a new transport:
                 # kombu's virtual transport remembers the bindings it declared and skips declaring one it
@@ -111,11 +97,6 @@ class _Question:
         if self.broken is not None:
             raise self.broken
         return self.held
-
-    def _run_meanwhile(self) -> None:
-        meanwhile, self.meanwhile = self.meanwhile, None
-        if meanwhile is not None:
-            meanwhile()
 
     def _gather(self, connection: Connection, mailbox: Mailbox, ticket: str, deadline: float) -> None:
         def on_reply(body: object, message: Message) -> None:
@@ -137,7 +118,7 @@ class _Question:
                         connection.drain_events(timeout=remaining)
                     except TimeoutError:
                         break
-        except BaseException as exc:  # raised again in the thread that asked
+        except BaseException as exc:  # raised again once the reply queue is cleaned up
             self.broken = exc
         finally:
             # Always, as kombu's own Mailbox._collect does: otherwise the reply queue's binding stays
@@ -154,41 +135,31 @@ class _Question:
 def observe(
     app: Celery,
     nodes: Collection[str],
-    task_ids: Collection[str],
+    ask: Mapping[str, Collection[str]],
     timeout: float,
     conn: redis.Redis[bytes] | None = None,
-    meanwhile: Callable[[], object] | None = None,
-    own: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, WorkerView]:
-    """A ``WorkerView`` for every node: its answer to the broadcast and its fresh leases.
-
-    Every node is asked about ``task_ids``, and about the ``own`` ids of each node whose lease is fresh.
-    Every worker reads the whole broadcast, whoever it names, so the question leaves out what only a
-    node with no live lease, most likely dead, was running; should such a node answer after all, its
-    reply speaks only for the ids it was asked about (``WorkerView.asked``), and the caller asks again.
+    """A ``WorkerView`` for every node: its fresh leases, and for the nodes in ``ask`` that hold one, its
+    answer to one broadcast about the ids ``ask`` lists for it. No node to ask: no broadcast at all.
 
     Leases are read before the broadcast and again after it for the nodes that stayed silent, and a
     lease seen fresh either time counts: a heartbeat held up by a Redis pause lands the moment Redis
     answers again, inside the broadcast's wait, so a live worker is not judged by that gap.
-
-    ``meanwhile`` runs in this thread while the broadcast waits for its replies.
     """
-    before = leases.fresh_boots(nodes, conn, prune=False)
-    question = set(task_ids)
-    for node, ids in (own or {}).items():
-        if before.get(node):
-            question.update(ids)
-    held = ask_workers(app, nodes, question, timeout, meanwhile)
-    silent = [node for node in nodes if node not in held]
+    everyone = set(nodes) | set(ask)
+    before = leases.fresh_boots(everyone, conn, prune=False)
+    # A node without a live boot runs nothing: asking it would only wait out its silence.
+    asking = {node: ids for node, ids in ask.items() if before.get(node)}
+    question = frozenset().union(*asking.values()) if asking else frozenset()
+    held = ask_workers(app, asking, question, timeout) if asking else {}
+    silent = [node for node in asking if node not in held]
     after = leases.fresh_boots(silent, conn, prune=False) if silent else {}
-    fresh = {node: before.get(node, frozenset()) | after.get(node, frozenset()) for node in nodes}
-    asked = frozenset(question)
     return {
         node: WorkerView(
             replied=node in held,
             held=held.get(node, frozenset()),
-            fresh_boots=fresh.get(node, frozenset()),
-            asked=asked,
+            fresh_boots=before.get(node, frozenset()) | after.get(node, frozenset()),
+            asked=question if node in asking else frozenset(),
         )
-        for node in nodes
+        for node in everyone
     }

@@ -162,39 +162,16 @@ def _collector_paused() -> Iterator[None]:
 def _gather_and_ask(
     app: Celery, ledger: Ledger, now: datetime, grace: timedelta, only: frozenset[str] | None
 ) -> tuple[list[Candidate], dict[str, Entry], dict[str, WorkerView]]:
-    """Everything running, and a view of each worker running something past its grace.
-
-    The broadcast waits for the slowest named node, the whole inspect timeout if one is silent, so it
-    is sent as soon as the rows say whom to ask, and the entries are read and merged during its wait.
-    Everything running is gathered, so a report can show what is still in grace and what claims to start
-    in the future; only the tasks past the grace are worth asking workers about.
-    """
-    timeout, conn = settings.INSPECT_TIMEOUT_SECONDS, ledger.client
-    found = find(ledger, None, only)
-    by_node, everyone = found.to_ask(now - grace)
-    merged: list[tuple[list[Candidate], dict[str, Entry]]] = []
-    views = liveness.observe(
-        app,
-        by_node,
-        everyone,
-        timeout,
-        conn,
-        meanwhile=lambda: merged.append(merge(app, ledger, found)),
-        own=by_node,
-    )
-    candidates, entries = merged[0]
-    # Rare: an entry naming a node no row named (a task without a result row), or a node that answered
-    # without being asked about a task of its own (its lease had lapsed). Ask those nodes about those.
-    again: dict[str, set[str]] = {}
+    """Everything running, and a view of each worker running something: its leases, and its answer
+    about the tasks only a result row knows of, past their grace (no other task needs one)."""
+    candidates, entries = merge(app, ledger, find(ledger, None, only))
+    ask: dict[str, set[str]] = {}
     for c in candidates:
-        view = views.get(c.worker) if c.worker else None
-        judged = c.started_at is None or c.started_at <= now - grace
-        if c.worker and judged and (view is None or (view.replied and not view.answers_for(c.task_id))):
-            again.setdefault(c.worker, set()).add(c.task_id)
-    if again:
-        more = liveness.observe(app, again, set().union(*again.values()), timeout, conn)
-        for node, view in more.items():
-            views[node] = views[node].merged_with(view) if node in views else view
+        past_grace = c.started_at is None or c.started_at <= now - grace
+        if c.worker and c.boot is None and past_grace and not c.problem:
+            ask.setdefault(c.worker, set()).add(c.task_id)
+    nodes = {c.worker for c in candidates if c.worker}
+    views = liveness.observe(app, nodes, ask, settings.INSPECT_TIMEOUT_SECONDS, ledger.client)
     return candidates, entries, views
 
 

@@ -14,29 +14,47 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import redis
 
+from celery_orphans import scripts
 from celery_orphans.conf import settings
 from celery_orphans.store import Keys, client
+from celery_orphans.worker import fence
 
 logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Keeps the lease of one worker boot alive until stopped."""
+    """Keeps the lease of one worker boot alive until stopped, and fences the boot off when it cannot.
 
-    def __init__(self, node: str, boot: str | None = None) -> None:
+    ``generation`` counts the boots of this process: when a renewal comes too late, or finds the lease
+    gone, the boot's executions are forfeit (``fence.py``), and a new boot id takes a new lease.
+    """
+
+    def __init__(
+        self, node: str, boot: str | None = None, on_forfeit: Callable[[int], int] | None = None
+    ) -> None:
         self.node = node
         self.boot = boot or uuid.uuid4().hex
         self.pid = os.getpid()
         self.keys = Keys.current()
         self._tokens = itertools.count()
         self.interval = settings.HEARTBEAT_SECONDS
-        self.lease_ms = int(settings.LEASE_SECONDS * 1000)
+        self.lease_seconds = settings.LEASE_SECONDS
+        # Executions give up this long before the lease would lapse: the sweep may act the moment it does.
+        self.margin = self.lease_seconds / 5
+        self.generation = 1
+        self.valid_until = 0.0  # time.monotonic(); 0: no renewal holds (none yet, or forfeit since)
+        self.on_forfeit = on_forfeit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+
+    @property
+    def lease_key(self) -> str:
+        return self.keys.lease(self.node, self.boot)
 
     def token(self) -> str:
         """A token no other ledger entry of any boot carries: this boot's id and a count.
@@ -53,25 +71,19 @@ class Heartbeat:
         self._thread.start()
 
     def renew(self) -> bool:
+        """Renew the lease (or take it, for a new boot); ``False`` when Redis could not be reached."""
         if os.getpid() != self.pid:  # a forked child must never keep its parent's lease alive
             self._stop.set()
             return False
-        renewed_at = time.time()
-        value = json.dumps(
-            {
-                "node": self.node,
-                "boot": self.boot,
-                "pid": self.pid,
-                "host": socket.gethostname(),
-                "renewed_at": renewed_at,
-            }
-        )
+        begun = time.monotonic()
+        if self.valid_until and begun >= self.valid_until:
+            self.forfeit("its lease was not renewed in time")
         try:
-            pipe = client().pipeline(transaction=False)
-            pipe.set(self.keys.lease(self.node, self.boot), value, px=self.lease_ms)
-            # The node's boots, each with its last beat: outlives the lease, for "how long since".
-            pipe.hset(self.keys.boots(self.node), self.boot, repr(renewed_at))
-            pipe.execute()
+            written = self._write(first=not self.valid_until)
+            if not written:
+                self.forfeit("its lease is gone from Redis")
+                begun = time.monotonic()
+                written = self._write(first=True)
         except redis.RedisError as exc:
             if not self._failing:
                 logger.warning("celery-orphans: cannot renew the lease of %s: %s", self.node, exc)
@@ -80,11 +92,64 @@ class Heartbeat:
         if self._failing:
             logger.info("celery-orphans: lease of %s renewed again", self.node)
         self._failing = False
-        return True
+        if written:
+            # Redis set the expiry once it had the command, so no sooner than this.
+            self.valid_until = begun + self.lease_seconds - self.margin
+            fence.publish(self.generation, self.valid_until)
+        return written
+
+    def _write(self, *, first: bool) -> bool:
+        value = json.dumps(
+            {
+                "node": self.node,
+                "boot": self.boot,
+                "pid": self.pid,
+                "host": socket.gethostname(),
+                "renewed_at": time.time(),
+            }
+        )
+        keys = [self.lease_key, self.keys.boots(self.node)]
+        lease_ms = int(self.lease_seconds * 1000)
+        renew = client().register_script(scripts.RENEW)
+        return bool(renew(keys=keys, args=[value, lease_ms, self.boot, "1" if first else "0"]))
+
+    def forfeit(self, why: str) -> None:
+        """Give up every execution of this boot, and start a new boot with a lease of its own."""
+        old_boot, old_generation = self.boot, self.generation
+        self.generation += 1
+        self.valid_until = 0.0
+        fence.withdraw(self.generation)
+        self.boot = uuid.uuid4().hex
+        stopped = self.on_forfeit(old_generation) if self.on_forfeit is not None else 0
+        logger.error(
+            "celery-orphans: worker %s gives up its boot %s (%s): %s running executions are forfeit and "
+            "will be recovered from the ledger; it goes on as boot %s",
+            self.node,
+            old_boot,
+            why,
+            stopped,
+            self.boot,
+        )
+        try:
+            self._drop(old_boot)  # so a sweep need not wait for the old lease to lapse
+        except redis.RedisError as exc:
+            logger.warning("celery-orphans: cannot drop the old lease of %s: %s", self.node, exc)
+
+    def _drop(self, boot: str) -> None:
+        pipe = client().pipeline(transaction=False)
+        pipe.delete(self.keys.lease(self.node, boot))
+        pipe.hdel(self.keys.boots(self.node), boot)
+        pipe.execute()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self._until_next()):
             self.renew()
+
+    def _until_next(self) -> float:
+        """The next beat, or sooner, at the instant this boot's executions stop holding."""
+        if not self.valid_until:
+            return self.interval
+        return max(0.0, min(self.interval, self.valid_until - time.monotonic()))
 
     def stop(self) -> None:
         """Stop beating and drop the lease, so the sweep need not wait for it to lapse."""
@@ -94,10 +159,7 @@ class Heartbeat:
         if os.getpid() != self.pid:
             return
         try:
-            pipe = client().pipeline(transaction=False)
-            pipe.delete(self.keys.lease(self.node, self.boot))
-            pipe.hdel(self.keys.boots(self.node), self.boot)
-            pipe.execute()
+            self._drop(self.boot)
         except redis.RedisError as exc:
             logger.warning("celery-orphans: cannot drop the lease of %s: %s", self.node, exc)
 
@@ -110,11 +172,12 @@ def current() -> Heartbeat | None:
     return _current if _current is not None and _current.pid == os.getpid() else None
 
 
-def start(node: str) -> Heartbeat:
+def start(node: str, on_forfeit: Callable[[int], int] | None = None) -> Heartbeat:
+    """Start this process's heartbeat; ``on_forfeit(generation)`` stops the executions of a boot given up."""
     global _current
     if _current is not None and _current.pid == os.getpid():
         return _current
-    _current = Heartbeat(node)
+    _current = Heartbeat(node, on_forfeit=on_forfeit)
     _current.start()
     logger.info("celery-orphans: lease of %s (boot %s) started", node, _current.boot)
     return _current

@@ -53,7 +53,16 @@ class _Line:
 
     ledger: Ledger
     conn: AbstractConnection
-    owed: list[tuple[Entry, list[tuple[str, str]]]] = field(default_factory=list)  # entry, removals
+    owed: list[_Write] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Write:
+    """An entry sent without waiting, the removals it carried, and the lease of the boot that wrote it."""
+
+    entry: Entry
+    releases: list[tuple[str, str]]
+    lease: str
 
 
 class Outbox:
@@ -68,7 +77,7 @@ class Outbox:
         self._thread: threading.Thread | None = None
         _outboxes.add(self)
 
-    def admit(self, ledger: Ledger, entry: Entry) -> None:
+    def admit(self, ledger: Ledger, entry: Entry, lease: str) -> None:
         """Write ``entry``, carrying the queued removals, without waiting for Redis's answer.
 
         Raises ``redis.RedisError`` when it could not be sent; nothing was written then, and the
@@ -79,19 +88,24 @@ class Outbox:
             line = self._line(ledger)
             releases = self._pending.pop(ledger, [])
             try:
-                ledger.send_admit(line.conn, entry, releases)
+                ledger.send_admit(line.conn, entry, releases, lease)
             except redis.RedisError:
                 self._pending.setdefault(ledger, [])[:0] = releases
                 self._lost(line)
                 raise
-            line.owed.append((entry, releases))
+            line.owed.append(_Write(entry, releases, lease))
         self._nudge()
 
-    def release(self, ledger: Ledger, task_id: str, token: str) -> None:
-        """Queue the removal of ``task_id``'s entry if it still carries ``token``."""
+    def release(self, ledger: Ledger, task_id: str, token: str, *, now: bool = False) -> None:
+        """Queue the removal of ``task_id``'s entry if it still carries ``token``; with ``now``, remove it
+        (and whatever else is queued for ``ledger``) before returning."""
         with self._lock:
             self._ensure_thread()
             self._pending.setdefault(ledger, []).append((task_id, token))
+            if now:
+                self._settle_all()
+                self._send(ledger, self._pending.pop(ledger))
+                return
         self._nudge()
 
     def take(self, ledger: Ledger) -> list[tuple[str, str]]:
@@ -121,17 +135,21 @@ class Outbox:
             self._settle_all()
             pending, self._pending = self._pending, {}
         for ledger, releases in pending.items():
-            try:
-                ledger.release_many(releases)
-            except redis.RedisError as exc:
-                # Left for the sweep, which forgets an entry whose task finished.
-                logger.warning(
-                    "celery-orphans: cannot remove %d finished tasks from the ledger (%s): %s",
-                    len(releases),
-                    ", ".join(task_id for task_id, _ in releases[:5]),
-                    exc,
-                )
+            self._send(ledger, releases)
         return sum(len(releases) for releases in pending.values())
+
+    @staticmethod
+    def _send(ledger: Ledger, releases: list[tuple[str, str]]) -> None:
+        try:
+            ledger.release_many(releases)
+        except redis.RedisError as exc:
+            # Left for the sweep, which forgets an entry whose task finished.
+            logger.warning(
+                "celery-orphans: cannot remove %d finished tasks from the ledger (%s): %s",
+                len(releases),
+                ", ".join(task_id for task_id, _ in releases[:5]),
+                exc,
+            )
 
     def _line(self, ledger: Ledger) -> _Line:
         line = self._lines.get(ledger)
@@ -151,7 +169,7 @@ class Outbox:
     def _settle(self, line: _Line) -> None:
         """Read the answers owed on ``line``, in the order the writes were sent."""
         while line.owed:
-            entry, releases = line.owed[0]
+            write = line.owed[0]
             try:
                 reply = line.conn.read_response()
             except (redis.ConnectionError, redis.TimeoutError):
@@ -160,31 +178,31 @@ class Outbox:
             except redis.exceptions.NoScriptError:
                 # Redis lost its scripts (it restarted): the slow way loads the script again.
                 line.owed.pop(0)
-                self._redo(line.ledger, entry, releases)
+                self._redo(line.ledger, write)
                 continue
             except redis.ResponseError as exc:
                 line.owed.pop(0)
-                _not_recorded(entry, exc)
+                _not_recorded(write.entry, exc)
                 continue
             line.owed.pop(0)
-            _check(entry, admission(entry.task_id, reply))
+            _check(write.entry, admission(write.entry.task_id, reply))
 
     def _lost(self, line: _Line) -> None:
         """The connection broke with answers owed: whether or not Redis carried those writes out, making
         them again the slow way, whose client reconnects, leaves the same state."""
         line.conn.disconnect()
         owed, line.owed = line.owed, []
-        for entry, releases in owed:
-            self._redo(line.ledger, entry, releases)
+        for write in owed:
+            self._redo(line.ledger, write)
 
     @staticmethod
-    def _redo(ledger: Ledger, entry: Entry, releases: list[tuple[str, str]]) -> None:
+    def _redo(ledger: Ledger, write: _Write) -> None:
         try:
-            answer = ledger.admit_delivery(entry, releases)
+            answer = ledger.admit_delivery(write.entry, write.releases, lease=write.lease)
         except redis.RedisError as exc:
-            _not_recorded(entry, exc)
+            _not_recorded(write.entry, exc)
             return
-        _check(entry, answer)
+        _check(write.entry, answer)
 
     def _nudge(self) -> None:
         # The event stays set until the thread wakes: the thread is woken once per flush, not per task.

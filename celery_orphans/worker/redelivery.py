@@ -15,14 +15,14 @@ import logging
 from typing import Any
 
 import redis
-from celery.worker import state
 from django.db import DatabaseError
 
 from celery_orphans import registry
 from celery_orphans.conf import settings
-from celery_orphans.entry import Entry
+from celery_orphans.entry import Entry, Unreadable
 from celery_orphans.ledger import Admission
 from celery_orphans.reconcile import after_redelivery
+from celery_orphans.sweep import audit
 from celery_orphans.worker import heartbeat
 from celery_orphans.worker.takeover import take_over
 
@@ -36,9 +36,15 @@ def first_hand(request: Any) -> bool:
     message never delivered before cannot have been overtaken, and is no redelivery to count. The broker
     must say so: RabbitMQ marks what it delivers again, and so does kombu's Redis transport when it
     restores a message (past its visibility timeout, at a shutdown, on a reject). Other transports do
-    not, and every delivery of theirs is checked.
+    not, and every delivery of theirs is checked. A message with an ETA is checked too: a transport that
+    restores one a worker holds past its visibility timeout hands a second worker a copy that comes due
+    at the same moment as the first.
     """
-    return not request.delivery_info.get("redelivered") and marks_redeliveries(request.task.app)
+    return (
+        not request.delivery_info.get("redelivered")
+        and not request.eta
+        and marks_redeliveries(request.task.app)
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -54,15 +60,36 @@ _MARKING_TRANSPORTS = frozenset({"amqp", "redis"})
 def limits(request: Any) -> tuple[int, int]:
     """The cap the admit counts a redelivery of ``request`` against (0: count none), and the count's TTL."""
     policy = registry.policy_of(request.task)
-    if policy is None or not settings.ENABLED or settings.SHADOW_MODE or _running_here(request):
+    if policy is None or not single_flight():
         return 0, 0
     return policy.max_attempts or settings.MAX_ATTEMPTS, settings.ATTEMPTS_WINDOW_SECONDS
 
 
-def _running_here(request: Any) -> bool:
-    # Only an execution that is gone left an orphan: a copy delivered while this boot still runs the
-    # task (a connection lost and regained) is not a recovery.
-    return any(r.id == request.id and r is not request for r in state.active_requests)
+def single_flight() -> bool:
+    """Whether a delivery of an execution that is alive is dropped: when recovery is on, for real."""
+    return settings.ENABLED and not settings.SHADOW_MODE
+
+
+def drop_duplicate(request: Any, running: Entry | Unreadable | None) -> None:
+    """Log and audit a delivery dropped because ``running``, an execution that is alive, has the task.
+
+    The live execution's entry holds the exact message: should its worker die later, the task is
+    recovered from it as usual. The delivery is no recovery, and is not counted as one.
+    """
+    owner = f"{running.node} (boot {running.boot})" if isinstance(running, Entry) else "a live worker"
+    logger.warning(
+        "celery-orphans: dropped a duplicate of %s[%s]: the same message is running on %s",
+        request.name,
+        request.id,
+        owner,
+    )
+    beat = heartbeat.current()
+    try:
+        audit.record_duplicate(request.id, request.name, beat.node if beat else "", owner)
+    except DatabaseError as exc:
+        logger.error(
+            "celery-orphans: could not audit the duplicate of %s[%s]: %s", request.name, request.id, exc
+        )
 
 
 def record(request: Any, admission: Admission) -> bool:
@@ -73,7 +100,7 @@ def record(request: Any, admission: Admission) -> bool:
     before = admission.attempts - 1 if admission.redelivered else admission.attempts
     decide = functools.partial(after_redelivery, limit_reached=admission.limit_reached)
     try:
-        lost_on = admission.lost.node if isinstance(admission.lost, Entry) else None
+        lost_on = admission.previous.node if isinstance(admission.previous, Entry) else None
         outcome = take_over(request, beat, before, decide, lost_on)
     except (redis.RedisError, DatabaseError) as exc:
         # The count stands in the fence; only its record (or, at the cap, the terminal mark) is missing,
