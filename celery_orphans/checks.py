@@ -57,7 +57,7 @@ _CONF_RULES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
         "(SIGTERM) until a SIGKILL orphans them",
     ),
 }
-# Task attribute -> (check ID, value that breaks recovery, why, what to change).
+# Task attribute -> (check ID, value that breaks or weakens recovery, why, what to change).
 _TASK_RULES: dict[str, tuple[str, bool, str, str]] = {
     "acks_late": (
         "E004",
@@ -66,10 +66,12 @@ _TASK_RULES: dict[str, tuple[str, bool, str, str]] = {
         "Remove acks_late=False from the task's decorator (@recoverable then sets acks_late=True).",
     ),
     "ignore_result": (
-        "E005",
+        "W004",
         True,
-        "no STARTED row is written for it, so an orphaned run cannot be found",
-        "Remove ignore_result=True from the task's decorator, and leave task_ignore_result off.",
+        "no result row is written for it, so its orphans are found through the ledger alone and a task "
+        "marked terminal has no row to show it",
+        "Nothing to change if nobody reads its result; without ignore_result=True its STARTED row and "
+        "its outcome are visible to people and scripts as well.",
     ),
 }
 
@@ -164,7 +166,7 @@ def check_celery(**kwargs: Any) -> list[checks.CheckMessage]:
 def _task_messages(
     name: str, task: Task[Any, Any], time_limit: float | None, visibility: float | None
 ) -> list[checks.CheckMessage]:
-    """E004, E005 and W001 for one recoverable task, given its effective hard time limit."""
+    """E004, W004 and W001 for one recoverable task, given its effective hard time limit."""
     found = [
         _message(code, f"Recoverable task {name!r} has {attr}={bad!r}: {why}.", hint, obj=name)
         for attr, (code, bad, why, hint) in _TASK_RULES.items()
@@ -185,7 +187,7 @@ def _task_messages(
 
 
 def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
-    """E004, E005 and W001: every task marked ``@recoverable``."""
+    """E004, W004 and W001: every task marked ``@recoverable``."""
     # ``manage.py check`` never imports task modules and a worker runs the checks before it does:
     # import them as a worker would, or no task would be checked.
     load_tasks(current_app)

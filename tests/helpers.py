@@ -14,7 +14,11 @@ from urllib.parse import quote
 
 import pytest
 import redis
+from django_celery_results.models import TaskResult
 
+from celery_orphans import sweep
+from celery_orphans.models import Trigger
+from celery_orphans.reconcile import Action
 from celery_orphans.store import Keys
 from celery_orphans.worker.heartbeat import Heartbeat
 
@@ -95,3 +99,48 @@ def lapse(redis_client: redis.Redis, node: str, boot: str) -> None:
     now_ms = seconds * 1000 + micros // 1000
     redis_client.delete(keys.lease(node, boot))
     redis_client.hset(keys.boots(node), boot, f"{now_ms - 1000}:{now_ms}")
+
+
+# --- tasks of the test project run by real workers ------------------------------------------------
+
+
+def started_on(task_id: str, worker: str, timeout: float = 20) -> TaskResult:
+    """Wait until the task runs on ``worker``: its STARTED row, and its body's first line (written after)."""
+    row = wait_for(
+        lambda: TaskResult.objects.filter(task_id=task_id, status="STARTED", worker=worker).first(),
+        timeout,
+        f"{task_id} STARTED on {worker}",
+    )
+    wait_for(lambda: starts(task_id) >= 1, timeout, f"{task_id} to begin its body")
+    return row
+
+
+def sweep_now(**kwargs: object) -> sweep.Report:
+    return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0, **kwargs))
+
+
+def outcome_of(report: sweep.Report, task_id: str) -> sweep.Outcome:
+    [found] = [o for o in report.outcomes if o.decision.task_id == task_id]
+    return found
+
+
+def sweep_until(task_id: str, action: Action, timeout: float = 20) -> sweep.Outcome:
+    """Sweep until the task gets ``action`` (a killed worker's lease takes a moment to lapse)."""
+
+    def attempt() -> sweep.Outcome | None:
+        found = [o for o in sweep_now().outcomes if o.decision.task_id == task_id]
+        return found[0] if found and found[0].decision.action is action and found[0].done else None
+
+    return wait_for(attempt, timeout, f"{task_id} to be {action.value}", interval=0.3)
+
+
+def starts(task_id: str) -> int:
+    from demoapp.tasks import runs
+
+    return sum(1 for e in runs(task_id) if e.startswith("start"))
+
+
+def finishes(task_id: str) -> int:
+    from demoapp.tasks import runs
+
+    return sum(1 for e in runs(task_id) if e.startswith("finish"))

@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -219,3 +220,72 @@ def _rabbitmqctl(*args: str) -> None:
             "rabbitmqctl is not on PATH: set TEST_AMQP_URL to a RabbitMQ vhost the tests may use"
         )
     subprocess.run([binary, "-q", *args], check=True, capture_output=True, timeout=60)
+
+
+class TcpProxy:
+    """A TCP forwarder from a free port to ``127.0.0.1:target``, which a test can cut off and restore.
+
+    Cut off, it closes every connection it carries and closes new ones at once: to the process on the
+    near side the far side is unreachable, while every other client still reaches it.
+    """
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.cut_off = False
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def cut(self) -> None:
+        with self._lock:
+            self.cut_off = True
+            for sock in self._open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            self._open.clear()
+
+    def restore(self) -> None:
+        with self._lock:
+            self.cut_off = False
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self.cut_off:
+                    near.close()
+                    continue
+                try:
+                    far = socket.create_connection(("127.0.0.1", self.target))
+                except OSError:
+                    near.close()
+                    continue
+                self._open |= {near, far}
+            for a, b in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                for sock in (source, sink):
+                    if sock in self._open:
+                        self._open.discard(sock)
+                        sock.close()

@@ -20,8 +20,7 @@ from celery_orphans.models import OrphanEvent
 from celery_orphans.reconcile import Action
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep.actions import ALL_RETRIES
-from tests.helpers import wait_for
-from tests.test_recovery import outcome_of, started_on, sweep_now
+from tests.helpers import started_on, sweep_until, wait_for
 
 
 def store() -> CheckpointStore:
@@ -276,7 +275,7 @@ def test_task_killed_at_step_100_of_200_resumes_from_its_checkpoint_and_leaves_n
     assert phases(fresh.id) == ["start@0", "finish"]
 
     before_sweep = datetime.now(timezone.utc)
-    assert outcome_of(sweep_now(), result.id).decision.action is Action.RECOVER
+    sweep_until(result.id, Action.RECOVER)  # once the killed boot's lease has lapsed
     assert result.get(timeout=60) == 200
 
     assert phases(result.id) == ["start@0", f"start@{saved}", "finish"]

@@ -198,9 +198,10 @@ def test_e004_recoverable_task_without_acks_late(make_task: MakeTask) -> None:
     assert repr(task.name) in message.msg
 
 
-def test_e005_recoverable_task_that_ignores_its_result(make_task: MakeTask) -> None:
+def test_w004_recoverable_task_that_ignores_its_result(make_task: MakeTask) -> None:
     task = make_task(ignore_result=True)
-    message = only(run(), "celery_orphans.E005")
+    message = only(run(), "celery_orphans.W004")
+    assert isinstance(message, Warning)
     assert message.obj == task.name
     assert "ignore_result=True" in message.msg
 

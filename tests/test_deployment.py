@@ -180,14 +180,6 @@ def test_without_the_remap_sigterm_waits_for_the_running_task_past_the_soft_shut
 
 @pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="A cold shutdown puts the message back on the queue but leaves the task's ledger entry and "
-    "STARTED row behind, and Celery sends no worker_shutdown on that path, so the lease lapses instead of "
-    "being dropped: a sweep that runs before another worker takes the message judges the task orphaned "
-    "(lease_lapsed), recovers it (attempt 1 counted against the cap, a 'recovered' audit event, "
-    "a second copy published) and the handed-back copy is later dropped as stale.",
-)
 def test_a_task_handed_back_by_a_cold_shutdown_is_not_counted_as_a_recovery(workers, redis_client):
     from celery_orphans import leases
 

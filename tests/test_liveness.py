@@ -9,8 +9,7 @@ import redis
 from kombu.pidbox import Mailbox
 
 from celery_orphans.sweep import liveness
-from tests.helpers import wait_for
-from tests.test_recovery import started_on
+from tests.helpers import started_on, wait_for
 
 pytestmark = pytest.mark.worker
 

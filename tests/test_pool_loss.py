@@ -6,7 +6,7 @@ import pytest
 
 from celery_orphans.exceptions import RecoveryLimitReached
 from celery_orphans.models import OrphanEvent
-from tests.test_recovery import starts
+from tests.helpers import starts
 
 pytestmark = pytest.mark.worker
 

@@ -13,57 +13,15 @@ from celery import chain, chord
 from django.db import connection
 from django_celery_results.models import TaskResult
 
-from celery_orphans import leases, sweep
+from celery_orphans import leases
 from celery_orphans.exceptions import RecoveryLimitReached, SweepLocked, TaskOrphaned
 from celery_orphans.ledger import Ledger
-from celery_orphans.models import OrphanEvent, Trigger
+from celery_orphans.models import OrphanEvent
 from celery_orphans.reconcile import Action, Evidence
 from celery_orphans.store import Keys, client
-from tests.helpers import wait_for
+from tests.helpers import finishes, outcome_of, started_on, starts, sweep_now, sweep_until, wait_for
 
 pytestmark = pytest.mark.worker
-
-
-def started_on(task_id: str, worker: str, timeout: float = 20) -> TaskResult:
-    """Wait until the task runs on ``worker``: its STARTED row, and its body's first line (written after)."""
-    row = wait_for(
-        lambda: TaskResult.objects.filter(task_id=task_id, status="STARTED", worker=worker).first(),
-        timeout,
-        f"{task_id} STARTED on {worker}",
-    )
-    wait_for(lambda: starts(task_id) >= 1, timeout, f"{task_id} to begin its body")
-    return row
-
-
-def sweep_now(**kwargs: object) -> sweep.Report:
-    return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0, **kwargs))
-
-
-def outcome_of(report: sweep.Report, task_id: str) -> sweep.Outcome:
-    [found] = [o for o in report.outcomes if o.decision.task_id == task_id]
-    return found
-
-
-def sweep_until(task_id: str, action: Action, timeout: float = 20) -> sweep.Outcome:
-    """Sweep until the task gets ``action`` (a killed worker's lease takes a moment to lapse)."""
-
-    def attempt() -> sweep.Outcome | None:
-        found = [o for o in sweep_now().outcomes if o.decision.task_id == task_id]
-        return found[0] if found and found[0].decision.action is action and found[0].done else None
-
-    return wait_for(attempt, timeout, f"{task_id} to be {action.value}", interval=0.3)
-
-
-def starts(task_id: str) -> int:
-    from demoapp.tasks import runs
-
-    return sum(1 for e in runs(task_id) if e.startswith("start"))
-
-
-def finishes(task_id: str) -> int:
-    from demoapp.tasks import runs
-
-    return sum(1 for e in runs(task_id) if e.startswith("finish"))
 
 
 def as_bytes(body: bytes | str) -> bytes:

@@ -12,6 +12,7 @@ from typing import Any
 import redis
 from billiard import current_process
 from celery import shared_task
+from celery.signals import task_success
 from django.conf import settings
 
 import celery_orphans
@@ -172,3 +173,25 @@ def count_steps(
 def steps_executed(task_id: str) -> int:
     """How many steps every run of a ``count_steps`` task executed, together."""
     return int(_redis().get(f"demo:steps:{task_id}") or 0)
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.fire", ignore_result=True)
+def fire(self: Any, seconds: float = 0.0) -> None:
+    """Recoverable without a result row: only the ledger knows it runs."""
+    _record(self.request.id, "start")
+    _sleep_steps(seconds)
+    _record(self.request.id, "finish")
+
+
+@task_success.connect
+def _stored(sender: Any = None, **kwargs: Any) -> None:
+    # Sent once an execution's result is handled: what counts as a task's finishing, whatever its body
+    # did before. A forfeit execution never gets here.
+    if getattr(sender, "name", "").startswith("demoapp."):
+        _redis().rpush(f"demo:stored:{sender.request.id}", f"{os.getpid()}:{time.time()}")
+
+
+def stored(task_id: str) -> int:
+    """How many executions of a task id finished (had their outcome handled as a success)."""
+    return int(_redis().llen(f"demo:stored:{task_id}"))
