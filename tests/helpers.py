@@ -124,14 +124,15 @@ def outcome_of(report: sweep.Report, task_id: str) -> sweep.Outcome:
     return found
 
 
-def sweep_until(task_id: str, action: Action, timeout: float = 20) -> sweep.Outcome:
-    """Sweep until the task gets ``action`` (a killed worker's lease takes a moment to lapse)."""
+def sweep_until(task_id: str, *actions: Action, timeout: float = 20) -> sweep.Outcome:
+    """Sweep until the task gets one of ``actions`` (a killed worker's lease takes a moment to lapse)."""
 
     def attempt() -> sweep.Outcome | None:
         found = [o for o in sweep_now().outcomes if o.decision.task_id == task_id]
-        return found[0] if found and found[0].decision.action is action and found[0].done else None
+        return found[0] if found and found[0].decision.action in actions and found[0].done else None
 
-    return wait_for(attempt, timeout, f"{task_id} to be {action.value}", interval=0.3)
+    wanted = " or ".join(a.value for a in actions)
+    return wait_for(attempt, timeout, f"{task_id} to be {wanted}", interval=0.3)
 
 
 def starts(task_id: str) -> int:

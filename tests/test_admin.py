@@ -480,7 +480,7 @@ def test_both_actions_refuse_a_task_its_worker_is_still_running(workers, client,
     for action, verb in (("recover", "recover"), ("mark_terminal", "mark terminal")):
         assert act(staff, action, running) == [
             f"Refused to {verb} demoapp.summarize[{running}]: worker busy@test is alive and still has it "
-            "(worker holds task)."
+            "(boot alive)."
         ]
     assert status_of(running) == "STARTED"
     assert not OrphanEvent.objects.exists()

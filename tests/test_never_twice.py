@@ -27,6 +27,12 @@ pytestmark = pytest.mark.worker
 SHORT_VISIBILITY = {"TESTPROJECT_VISIBILITY_TIMEOUT": "2"}
 
 
+def runs(task_id: str) -> list[str]:
+    from demoapp.tasks import runs
+
+    return runs(task_id)
+
+
 def stored(task_id: str) -> int:
     from demoapp.tasks import stored
 
@@ -141,3 +147,19 @@ def test_a_worker_cut_off_from_redis_past_its_lease_stores_nothing_over_the_reco
         assert starts(result.id) == 2  # the stale one, killed at its fence, and the recovered one
     finally:
         proxy.close()
+
+
+def test_a_task_without_a_result_row_leaves_the_ledger_as_it_is_acknowledged(
+    workers: Any, ledger: Any, celery_app: Any
+) -> None:
+    # Sent by name: importing the task here would put it before this process's checks (warning W004).
+    worker = workers.start("fire@test", include=("demoapp.unrecorded",))
+    result = celery_app.send_task("demoapp.fire", args=[0.5])
+    wait_for(lambda: ledger.load([result.id])[result.id], 10, "its entry")
+    wait_for(lambda: "finish" in "".join(runs(result.id)), 10, "its body to end", interval=0.005)
+    # No row will ever say it ended: its entry goes with its acknowledgement, not a moment after.
+    wait_for(lambda: ledger.load([result.id])[result.id] is None, 0.1, "its entry to go", interval=0.005)
+    worker.kill()
+
+    assert ledger.count() == 0
+    assert starts(result.id) == 1

@@ -79,9 +79,9 @@ def test_killed_worker_restarted_under_its_name_runs_the_task_again_with_the_sam
     worker.kill()
     restarted = workers.start("rmq-same@test", env=on(amqp_broker))
 
-    # RabbitMQ hands the restarted worker the original again; a sweep meanwhile must not add a run.
-    for _ in range(3):
-        sweep_now()
+    # RabbitMQ hands the restarted worker the original again: dropped while the killed boot's lease lives,
+    # counted as the recovery once it has lapsed; the sweep recovers it from the ledger otherwise.
+    wait_for(lambda: (sweep_now(), result.ready())[1], 30, "the task to run again", interval=0.3)
 
     assert result.get(timeout=30) == 6
     assert TaskResult.objects.get(task_id=result.id).status == "SUCCESS"
@@ -131,8 +131,13 @@ def test_rabbitmq_redelivery_and_our_recovery_together_never_run_a_task_twice(
         workers.start("rmq-many@test", env=on(amqp_broker), concurrency=4)
     else:
         workers.start("rmq-many@test", env=on(amqp_broker), concurrency=4)
-        for _ in range(6):  # while the redelivered originals run, and after
-            sweep_now()
+        # RabbitMQ's redeliveries are dropped while the killed boot's lease lives, or counted after.
+        wait_for(
+            lambda: (sweep_now(), all(r.ready() for r in results))[1],
+            40,
+            "every task to run again",
+            interval=0.3,
+        )
 
     assert sorted(r.get(timeout=40) for r in results) == [0, 1, 2, 3]
     for _ in range(2):
@@ -147,27 +152,28 @@ def test_rabbitmq_redelivery_and_our_recovery_together_never_run_a_task_twice(
         assert Counter(recovered.values_list("task_id", flat=True)) == Counter(ids)
 
 
-# A lease that outlives the restart, as a 10 s lease does for a worker restarted in place.
-LONG_LEASE = {"CELERY_ORPHANS_LEASE_SECONDS": "10", "CELERY_ORPHANS_HEARTBEAT_SECONDS": "1"}
-
-
 def test_poison_task_on_rabbitmq_ends_terminal_after_max_attempts(workers: Any, amqp_broker: str) -> None:
     from demoapp.tasks import poison
 
     result = poison.delay()  # @recoverable(max_attempts=2); kills its worker every time
-    worker = workers.start("rmq-poison@test", env={**on(amqp_broker), **LONG_LEASE})
+    worker = workers.start("rmq-poison@test", env=on(amqp_broker))
 
     def failed() -> bool:
         return TaskResult.objects.filter(task_id=result.id, status="FAILURE").exists()
 
     for _ in range(5):
-        # At the cap the worker marks the task terminal instead of running it, and lives on.
-        wait_for(lambda w=worker: not w.is_running() or failed(), 20, "the poison task to kill its worker")
+        # At the cap the task is marked terminal instead of run, and the worker lives on. RabbitMQ hands
+        # the restarted worker the task again at once: counted if the killed boot's lease has lapsed,
+        # dropped while it lives, and then recovered from the ledger by a sweep.
+        wait_for(
+            lambda w=worker: (sweep_now(), not w.is_running() or failed())[1],
+            30,
+            "the poison task to kill its worker",
+            interval=0.3,
+        )
         if failed():
             break
-        # Restarted in place, as systemd would: RabbitMQ hands it the task again at once.
-        worker = workers.start("rmq-poison@test", env={**on(amqp_broker), **LONG_LEASE})
-        sweep_now()
+        worker = workers.start("rmq-poison@test", env=on(amqp_broker))  # restarted in place, as systemd would
 
     assert TaskResult.objects.get(task_id=result.id).status == "FAILURE", executions(result.id)
     assert OrphanEvent.objects.filter(task_id=result.id, action="recovered").count() == 2

@@ -38,10 +38,9 @@ def test_killed_worker_restarted_under_same_name_runs_the_task_again_with_the_sa
     worker.kill()
     workers.start("same@test")
 
-    outcome = outcome_of(sweep_now(), result.id)
+    outcome = sweep_until(result.id, Action.RECOVER)  # once the killed boot's lease has lapsed
 
-    assert outcome.done and outcome.decision.action is Action.RECOVER
-    assert outcome.decision.evidence is Evidence.WORKER_ANSWERED_WITHOUT_TASK
+    assert outcome.decision.evidence is Evidence.LEASE_LAPSED
     assert result.get(timeout=30) == 6
     assert TaskResult.objects.get(task_id=result.id).status == "SUCCESS"
     assert (starts(result.id), finishes(result.id)) == (2, 1)
@@ -108,7 +107,7 @@ def test_chain_whose_first_task_was_orphaned_completes(workers):
     worker.kill()
     workers.start("chain@test")
 
-    assert outcome_of(sweep_now(), first.id).done
+    sweep_until(first.id, Action.RECOVER)
     assert result.get(timeout=30) == 13
     assert starts(result.id) == 1
 
@@ -128,7 +127,7 @@ def test_chord_whose_member_was_orphaned_completes(workers):
     worker.kill()
     workers.start("chord@test")
 
-    assert outcome_of(sweep_now(), slow_id).decision.action is Action.RECOVER
+    sweep_until(slow_id, Action.RECOVER)
     assert result.get(timeout=30) == 6
     assert starts(result.id) == 1
 
@@ -187,7 +186,7 @@ def test_poison_task_is_recovered_exactly_max_attempts_times_then_ends_recovery_
     for _ in range(4):
         wait_for(lambda w=worker: not w.is_running(), 20, "the poison task to kill its worker")
         worker = workers.start("poison@test")  # restarted in place, as systemd would
-        outcome = outcome_of(sweep_now(), result.id)
+        outcome = sweep_until(result.id, Action.RECOVER, Action.MARK_TERMINAL)
         if outcome.decision.action is Action.MARK_TERMINAL:
             break
         assert outcome.decision.action is Action.RECOVER
@@ -209,7 +208,7 @@ def test_stale_copy_restored_by_the_transport_after_a_recovery_does_not_run(work
     [(tag, payload)] = redis_client.hgetall("unacked").items()
     worker.kill()
     workers.start("fence@test")
-    assert outcome_of(sweep_now(), result.id).done
+    sweep_until(result.id, Action.RECOVER)
     assert result.get(timeout=30) == 7
     # As if the sweep had died before removing the dead delivery: put it back, already past its
     # visibility timeout, and let a worker's transport restore it at boot.

@@ -175,15 +175,6 @@ def steps_executed(task_id: str) -> int:
     return int(_redis().get(f"demo:steps:{task_id}") or 0)
 
 
-@recoverable
-@shared_task(bind=True, name="demoapp.fire", ignore_result=True)
-def fire(self: Any, seconds: float = 0.0) -> None:
-    """Recoverable without a result row: only the ledger knows it runs."""
-    _record(self.request.id, "start")
-    _sleep_steps(seconds)
-    _record(self.request.id, "finish")
-
-
 @task_success.connect
 def _stored(sender: Any = None, **kwargs: Any) -> None:
     # Sent once an execution's result is handled: what counts as a task's finishing, whatever its body
