@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import celery
 import pytest
 from django.db import connection
 
@@ -29,7 +28,8 @@ def sweep_while(condition: object, every: float = 1.0) -> list[sweep.Report]:
 def assert_never_acted(reports: list[sweep.Report], task_id: str) -> None:
     acted = [o for r in reports for o in r.outcomes if o.decision.task_id == task_id and o.done]
     assert not acted, acted
-    assert not OrphanEvent.objects.exists()
+    # A copy the broker delivered again while the task ran may have been dropped: nothing else happened.
+    assert not OrphanEvent.objects.exclude(action="duplicate_dropped").exists()
 
 
 def test_solo_worker_running_a_sixty_second_task_is_never_recovered(workers):
@@ -90,13 +90,6 @@ def test_redis_paused_for_five_seconds_during_sweeps_recovers_nothing(workers, r
     assert result.get(timeout=5) == 5 and starts(result.id) == 1
 
 
-@pytest.mark.xfail(
-    celery.VERSION < (5, 6),
-    reason="On Celery 5.5 the Redis broker delivers the running task's message again once the worker's "
-    "connections are cut and restored, and the worker counts that delivery as a recovery ('recovery 1 of "
-    "3, delivered again by the broker') while the first execution still runs; not yet diagnosed.",
-    strict=True,
-)
 def test_worker_whose_broker_connections_are_cut_and_restored_is_not_recovered(workers, redis_client):
     from demoapp.tasks import summarize
 

@@ -320,7 +320,13 @@ def test_workers_outlive_a_restart_of_the_ledger_redis_and_are_never_taken_for_d
     from demoapp.tasks import runs, summarize
 
     settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 1.0  # live workers here: let them answer
-    env = ledger_env(tmp_path, ledger_redis)
+    # A lease that outlives the outage: a worker that cannot renew for longer gives its tasks up
+    # (tests/test_never_twice.py).
+    env = {
+        **ledger_env(tmp_path, ledger_redis),
+        "CELERY_ORPHANS_LEASE_SECONDS": "10",
+        "CELERY_ORPHANS_HEARTBEAT_SECONDS": "1",
+    }
     pair = [workers.start("steady-a@test", env=env, concurrency=2), workers.start("steady-b@test", env=env)]
     before = [summarize.delay([i], seconds=14) for i in range(2)]
     wait_for(lambda: all(runs(r.id) for r in before), 20, "both tasks to begin")
@@ -332,7 +338,7 @@ def test_workers_outlive_a_restart_of_the_ledger_redis_and_are_never_taken_for_d
     wait_for(lambda: runs(during.id), 20, "a task to begin while Redis is down")
     with pytest.raises(LedgerUnavailable):
         sweep.run(sweep.Options(trigger=Trigger.BEAT))
-    time.sleep(2.5)  # longer than a lease (2 s): every lease has lapsed by the clock
+    time.sleep(2.5)  # longer than the suite's usual lease (2 s), well within this one
     ledger_redis.start()
     for w in pair:
         wait_for(lambda w=w: "renewed again" in w.log(), 10, f"{w.name}'s lease to come back")
