@@ -10,12 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from celery_orphans.checkpoints import Checkpoint, checkpoint
+    from celery_orphans.checkpoints import Checkpoint, Execution, checkpoint, execution
     from celery_orphans.decorators import recoverable
     from celery_orphans.exceptions import (
         CeleryOrphansError,
         CheckpointFenced,
         CheckpointTooLarge,
+        ExecutionForfeit,
         LedgerUnavailable,
         RecoveryLimitReached,
         SweepLocked,
@@ -28,11 +29,14 @@ __version__ = "0.1.0.dev0"
 
 _HOMES = {
     "Checkpoint": "checkpoints",
+    "Execution": "checkpoints",
+    "execution": "checkpoints",
     "checkpoint": "checkpoints",
     "recoverable": "decorators",
     "CeleryOrphansError": "exceptions",
     "CheckpointFenced": "exceptions",
     "CheckpointTooLarge": "exceptions",
+    "ExecutionForfeit": "exceptions",
     "LedgerUnavailable": "exceptions",
     "RecoveryLimitReached": "exceptions",
     "SweepLocked": "exceptions",
@@ -48,12 +52,15 @@ __all__ = [
     "Checkpoint",
     "CheckpointFenced",
     "CheckpointTooLarge",
+    "Execution",
+    "ExecutionForfeit",
     "LedgerUnavailable",
     "RecoveryLimitReached",
     "SweepLocked",
     "TaskOrphaned",
     "__version__",
     "checkpoint",
+    "execution",
     "orphan_detected",
     "orphan_marked_terminal",
     "orphan_recovered",

@@ -12,8 +12,10 @@ from django.db.models import Exists, OuterRef, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
+from django.utils.formats import date_format
 from django.utils.html import format_html
 from django.utils.http import urlencode
+from django.utils.timezone import localtime
 from django_celery_results.models import TaskResult
 
 from celery_orphans import operations
@@ -34,19 +36,17 @@ else:
 class OrphanEventAdmin(_ModelAdmin):
     """A read-only view of what the reconcile did; the record must stay what happened."""
 
+    # Narrow enough that reason and evidence show without scrolling at 1,400 pixels: the detail (which
+    # names the attempt) and the checkpoint ride along as the reason's tooltip, the user with the trigger.
     list_display = (
-        "created_at",
+        "created",
         "action",
         "task_id_link",
         "task_name",
         "worker",
         "reason_with_detail",
         "evidence",
-        "attempt",
-        "checkpoint_saved_at",
-        "checkpoint_bytes",
-        "trigger",
-        "triggered_by",
+        "trigger_and_user",
     )
     # Rows are not linked: the change view is refused, so a link would only lead to a 403.
     list_display_links = None
@@ -112,10 +112,24 @@ class OrphanEventAdmin(_ModelAdmin):
             '<a href="{}?{}">{}</a>', changelist, urlencode({"task_id": obj.task_id}), obj.task_id
         )
 
+    @admin.display(description="created at", ordering="created_at")
+    def created(self, obj: OrphanEvent) -> str:
+        # Compact, and free to wrap (Django keeps a date column on one line).
+        return date_format(localtime(obj.created_at), "Y-m-d H:i:s") if obj.created_at else ""
+
     @admin.display(description="reason", ordering="reason")
     def reason_with_detail(self, obj: OrphanEvent) -> str:
         # There is no detail page (see has_view_permission), so the detail rides along as a tooltip.
-        return format_html('<span title="{}">{}</span>', obj.detail, obj.reason) if obj.detail else obj.reason
+        detail = obj.detail
+        if obj.checkpoint_saved_at is not None:
+            saved = f"{obj.checkpoint_saved_at:%Y-%m-%d %H:%M:%S}"
+            detail += f" (last checkpoint: {obj.checkpoint_bytes} bytes, saved {saved})"
+        return format_html('<span title="{}">{}</span>', detail, obj.reason) if detail else obj.reason
+
+    @admin.display(description="trigger", ordering="trigger")
+    def trigger_and_user(self, obj: OrphanEvent) -> str:
+        trigger = obj.get_trigger_display()
+        return f"{trigger} ({obj.triggered_by})" if obj.triggered_by else trigger
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import logging
+
 from django.apps import AppConfig
 
 
@@ -11,9 +13,11 @@ class CeleryOrphansConfig(AppConfig):
     def ready(self) -> None:
         from celery import signals
 
-        from celery_orphans import checkpoints, checks, receivers
+        from celery_orphans import checkpoints, checks, receivers, tasks
 
         checks.register()
+        for name in tasks.QUIETED:
+            logging.getLogger(name).addFilter(tasks.QuietSweeps())
         signals.worker_ready.connect(receivers.worker_ready, dispatch_uid="celery_orphans.worker_ready")
         signals.worker_shutdown.connect(
             receivers.worker_shutdown, dispatch_uid="celery_orphans.worker_shutdown"

@@ -35,7 +35,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from celery import Task
@@ -103,11 +103,27 @@ class Saved:
     size: int
 
 
-def execution_of(request: Any) -> tuple[int, int]:
-    """The ``(retries, recovery attempt)`` of the execution a Celery request context describes."""
+class Execution(NamedTuple):
+    """Which execution of a task id runs: ``(retries, recovery attempt)``. A later one compares higher."""
+
+    retries: int
+    attempt: int
+
+
+def execution_of(request: Any) -> Execution:
+    """The execution a Celery request context describes."""
     retries = getattr(request, "retries", 0)
     retries = retries if isinstance(retries, int) and not isinstance(retries, bool) else 0
-    return retries, recovery_attempt({HEADER: getattr(request, HEADER, None)})
+    return Execution(retries, recovery_attempt({HEADER: getattr(request, HEADER, None)}))
+
+
+def execution(task: Task[Any, Any]) -> Execution:
+    """The running execution of a task (pass the bound ``self``), to use as a fencing token.
+
+    A store of the task's own that keeps the highest token it has seen, and refuses a write that carries
+    a lower one, is safe from a stale execution of the task that outlived its recovery.
+    """
+    return execution_of(task.request)
 
 
 class CheckpointStore:
@@ -254,7 +270,7 @@ def discard_finished(task: Any, request: Any, task_id: str | None = None) -> Non
     else:
         # Celery sent the signal without the request (a hard time limit): assume the oldest
         # execution, so a newer one's checkpoint is kept; the TTL removes it otherwise.
-        execution = (0, 0)
+        execution = Execution(0, 0)
     try:
         outcome = CheckpointStore(client(), Keys.current()).discard(task_id, execution)
     except redis.RedisError as exc:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import redis
 from django.utils import timezone
@@ -21,7 +23,7 @@ from celery_orphans import leases
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import CeleryOrphansError
 from celery_orphans.models import Trigger
-from celery_orphans.reconcile import Action, Decision, Reason
+from celery_orphans.reconcile import Action, Decision, Evidence, Reason
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep.runner import run
 from celery_orphans.sweep.values import Options, Outcome, Report, SweepFailed
@@ -105,6 +107,24 @@ def _ago(seconds: float) -> str:
     if whole < 120:
         return f"{whole} s ago"
     return f"{whole // 60} min ago" if whole < 7200 else f"{whole // 3600} h ago"
+
+
+def counted(decisions: Iterable[list[Any]]) -> tuple[dict[str, int], dict[str, int]]:
+    """Tasks by verdict, and the orphans among them, from ``[action, reason, evidence, count]`` rows
+    (as the last sweep recorded them)."""
+    running: Counter[str] = Counter()
+    orphans: Counter[str] = Counter()
+    for action, reason, evidence, count in decisions:
+        d = Decision("", Action(action), Reason(reason), Evidence(evidence))
+        shown = verdict(d)[0].value
+        running[shown] += count
+        if d.orphaned:
+            orphans[shown] += count
+    every = [v.value for v in Verdict]
+    return (
+        {"total": sum(running.values()), **{v: running[v] for v in every}},
+        {"total": sum(orphans.values()), **{v: orphans[v] for v in every}},
+    )
 
 
 def in_flight(trigger: Trigger) -> list[InFlight]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from celery import shared_task
 
@@ -13,9 +14,26 @@ from celery_orphans.models import Trigger
 
 logger = logging.getLogger(__name__)
 _said_disabled = False
+SWEEP_TASK = "celery_orphans.reconcile"
 
 
-@shared_task(name="celery_orphans.reconcile", ignore_result=True)
+class QuietSweeps(logging.Filter):
+    """Keeps Celery's "received" and "succeeded" lines of the Beat-scheduled sweep out of the log: it
+    runs every few seconds, and logs its own line, at INFO when it did something and at DEBUG otherwise.
+    Its failures are still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (
+            record.levelno <= logging.INFO and isinstance(args, Mapping) and args.get("name") == SWEEP_TASK
+        )
+
+
+# The loggers Celery writes a task's receipt and its success to.
+QUIETED = ("celery.worker.strategy", "celery.app.trace")
+
+
+@shared_task(name=SWEEP_TASK, ignore_result=True)
 def reconcile() -> str:
     """Find orphaned tasks, recover the recoverable ones, mark the rest terminal."""
     global _said_disabled

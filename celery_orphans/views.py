@@ -3,10 +3,11 @@
 They serve the operators' service (``operations.py``) over HTTP; docs/api.md describes them.
 
 ``GET status/``
-    For health checks and dashboards: in-flight tasks counted by verdict, the orphans among them by
-    verdict, how many worker boots hold a lease, and the latest audit-log entry as ``last_action``.
-    ``last_sweep`` is the last sweep that was not a dry run (``at``, ``trigger``, ``ok``, ``summary``,
-    ``error``), or ``null`` before the first. 503 when Redis or the broker cannot be reached.
+    For health checks and dashboards, cheap to poll: what the last whole sweep recorded (``last_sweep``:
+    ``at``, ``age_seconds``, ``trigger``, ``ok``, ``summary``, ``error``; ``null`` before the first), the
+    tasks it saw running counted by verdict (``in_flight``) and the orphans among them (``orphans``), how
+    many worker boots hold a lease now, and the latest audit-log entry as ``last_action``. It runs no
+    sweep and asks no worker. 503 when Redis cannot be reached.
 ``POST sweep/``
     An empty body or ``{}`` runs one sweep now; ``{"task_ids": ["...", ...]}`` recovers only those tasks,
     at once (no grace), refusing live ones and never marking any terminal, with one result per id. 400
@@ -25,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -42,10 +42,9 @@ from celery_orphans.operations import (
     PERMISSION,
     SWEEP_ERRORS,
     SwitchedOff,
-    Verdict,
     act_on,
     clean_task_ids,
-    in_flight,
+    counted,
     sweep_all,
 )
 from celery_orphans.reconcile import Action
@@ -84,14 +83,13 @@ def _endpoint(method: str) -> Callable[[View], View]:
 
 @_endpoint("GET")
 def status(request: HttpRequest) -> HttpResponse:
-    """Counts for health checks and dashboards; see the module docstring."""
+    """What the last sweep found, and the leases now; see the module docstring."""
     try:
-        rows = in_flight(Trigger.API)
+        swept = last_sweep()
         lease_count = leases.count()
-    except (*SWEEP_ERRORS, redis.RedisError) as exc:
-        return _error(503, str(exc))
-    by_verdict = Counter(r.verdict.value for r in rows)
-    orphans = Counter(r.verdict.value for r in rows if r.outcome.decision.orphaned)
+    except redis.RedisError as exc:
+        return _error(503, f"cannot reach Redis: {exc}")
+    running, orphans = counted(swept.pop("decisions")) if swept else (None, None)
     last = (
         OrphanEvent.objects.values("created_at", "action", "task_id", "task_name", "trigger", "triggered_by")
         .order_by("-created_at", "-id")
@@ -101,10 +99,10 @@ def status(request: HttpRequest) -> HttpResponse:
         {
             "enabled": settings.ENABLED,
             "shadow_mode": settings.SHADOW_MODE,
-            "in_flight": {"total": len(rows), **{v.value: by_verdict[v.value] for v in Verdict}},
-            "orphans": {"total": sum(orphans.values()), **{v.value: orphans[v.value] for v in Verdict}},
+            "last_sweep": swept,
+            "in_flight": running,
+            "orphans": orphans,
             "leases": lease_count,
-            "last_sweep": last_sweep(),
             "last_action": last,
         }
     )

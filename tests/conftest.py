@@ -20,14 +20,14 @@ from celery_orphans.store import Keys, client
 from celery_orphans.worker import heartbeat as heartbeats
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests.helpers import MakeBeat, database_url, wait_for
-from tests.services import Vhost
+from tests.services import TEST_DATABASE_NAME, Vhost
 from tests.workers import WorkerPool
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # The suite's database and RabbitMQ vhost have fixed names (tests/services.py): two runs on one
     # machine take turns.
-    path = os.path.join(tempfile.gettempdir(), "celery-orphans-tests.lock")
+    path = os.path.join(tempfile.gettempdir(), f"{TEST_DATABASE_NAME}.lock")
     handle = open(path, "w")  # noqa: SIM115 - held open for the whole run
     fcntl.flock(handle, fcntl.LOCK_EX)
     config.stash[_LOCK] = handle

@@ -10,6 +10,8 @@
   ``TEST_DATABASE_URL`` names (``postgres://postgres@127.0.0.1:5432/postgres`` by default) and drops it
   at the end; the database in the URL itself is only connected to.
 
+Two runs on one machine take turns, unless ``TEST_RUN_NAME`` gives one of them names of its own.
+
 The run's own process chooses (``provide_for_tests``) when the test settings are imported, before anything
 else reads them, and writes the choice into its environment, which every worker and command it starts
 inherits. The demo and each benchmark start a Redis server of their own the same way (``provide``) and use
@@ -39,8 +41,11 @@ OWNER = "CELERY_ORPHANS_TEST_OWNER"
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres"
 # The benchmarks' database, or the one BENCH_DATABASE_URL names.
 BENCH_DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_orphans")
-TEST_DATABASE_NAME = "test_celery_orphans"
-VHOST = "celery-orphans-tests"
+# The names of the run's database and vhost; a second run on the same machine at the same time gives
+# other names (TEST_RUN_NAME=mine: test_celery_orphans_mine, celery-orphans-tests-mine).
+RUN_NAME = os.environ.get("TEST_RUN_NAME", "")
+TEST_DATABASE_NAME = "test_celery_orphans" + (f"_{RUN_NAME}" if RUN_NAME else "")
+VHOST = "celery-orphans-tests" + (f"-{RUN_NAME}" if RUN_NAME else "")
 _PR_SET_PDEATHSIG = 1
 
 

@@ -10,6 +10,7 @@ The screenshot is kept in ``tests/artifacts/`` for a person to look at.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import pytest
 from django.contrib.auth import get_user_model, login
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import path, reverse
+from django.utils.http import urlencode
 from django_celery_results.models import TaskResult
 
 from testproject import urls as project_urls
@@ -35,10 +37,44 @@ WINDOW = (1400, 900)
 def _log_in_as_superuser(request: HttpRequest) -> HttpResponse:
     user = get_user_model().objects.get(username=USERNAME)
     login(request, user, backend="django.contrib.auth.backends.ModelBackend")
-    return HttpResponseRedirect(reverse("admin:celery_orphans_inflight"))
+    return HttpResponseRedirect(request.GET.get("next") or reverse("admin:celery_orphans_inflight"))
 
 
-urlpatterns = [path("test-only/log-in/", _log_in_as_superuser), *project_urls.urlpatterns]
+# Loads an admin page in a frame the size of the window and writes what its layout measures into this
+# page, which --dump-dom prints: whether the table scrolls sideways, and the gaps between its headers.
+MEASURE = """<!doctype html><html><body style="margin:0">
+<iframe id="page" src="%s" style="border:0;width:100vw;height:100vh"></iframe>
+<script>
+document.getElementById("page").addEventListener("load", function () {
+  var d = this.contentDocument, box = d.querySelector("#changelist .results") || d.querySelector(".results");
+  var heads = Array.from(d.querySelectorAll("#result_list thead th")).filter(function (th) {
+    return th.textContent.trim() && !th.classList.contains("action-checkbox-column");
+  }).map(function (th) {
+    var r = document.createRange(); r.selectNodeContents(th.querySelector("span") || th);
+    var b = r.getBoundingClientRect(); return [b.left, b.right];
+  });
+  var gaps = heads.slice(1).map(function (h, i) { return Math.round(h[0] - heads[i][1]); });
+  var out = document.createElement("pre"); out.id = "measured";
+  var widths = Array.from(d.querySelectorAll("#result_list thead th")).map(function (th) {
+    return [th.textContent.trim(), Math.round(th.getBoundingClientRect().width)];
+  });
+  out.textContent = JSON.stringify({
+    scrolls: box.scrollWidth > box.clientWidth, gaps: gaps, widths: widths, room: box.clientWidth
+  });
+  document.body.appendChild(out);
+});
+</script></body></html>"""
+
+
+def _measure(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(MEASURE % request.GET["page"])
+
+
+urlpatterns = [
+    path("test-only/log-in/", _log_in_as_superuser),
+    path("test-only/measure/", _measure),
+    *project_urls.urlpatterns,
+]
 
 
 def chromium() -> str:
@@ -129,3 +165,44 @@ def test_in_flight_page_shows_a_live_task_an_orphan_and_a_non_recoverable_orphan
     assert "busy@test" in dom and factories.GHOST in dom
     assert "Recover now" in dom
     assert png_size(screenshot) == WINDOW
+
+
+def measured(binary: str, profile: Path, server: str, page: str) -> dict[str, object]:
+    """Log in, then measure ``page`` as Chromium lays it out in the test's window."""
+    measure = f"/test-only/measure/?{urlencode({'page': page})}"
+    url = f"{server}/test-only/log-in/?{urlencode({'next': measure})}"
+    dom = browse(binary, profile, url, "--dump-dom", "--virtual-time-budget=10000")
+    found = re.search(r'<pre id="measured">(.*?)</pre>', dom, re.DOTALL)
+    assert found, dom[-2000:]
+    return json.loads(found.group(1))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_empty_in_flight_page_and_the_audit_list_read_cleanly_at_1400_pixels(
+    live_server, settings, django_user_model, tmp_path, redis_client
+):
+    from celery_orphans.models import OrphanEvent
+
+    binary = chromium()
+    settings.ROOT_URLCONF = __name__
+    django_user_model.objects.create_superuser(USERNAME, password="unused")
+    OrphanEvent.objects.create(
+        task_id="0f0e9b2c-53c4-4f0a-9d65-6a1f3c2b9e71",
+        task_name="reports.build_quarterly_statement_for_every_region",
+        worker="celery@worker-pool-eu-west-1c-7d9f8b6c4-x2x9z",
+        action="recovered",
+        reason="recoverable",
+        evidence="lease_lapsed",
+        detail="recovery 1 of 3",
+        attempt=1,
+        trigger="admin",
+        triggered_by="operations-on-call",
+    )
+
+    empty = measured(binary, tmp_path / "empty", live_server.url, reverse("admin:celery_orphans_inflight"))
+    audit = measured(
+        binary, tmp_path / "audit", live_server.url, reverse("admin:celery_orphans_orphanevent_changelist")
+    )
+
+    assert len(empty["gaps"]) == 6 and min(empty["gaps"]) >= 8, empty  # headers apart, not run together
+    assert audit["scrolls"] is False, json.dumps(audit)

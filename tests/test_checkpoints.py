@@ -344,3 +344,20 @@ def test_running_execution_that_lost_ownership_stops_at_its_next_save_and_writes
     assert last < 200
     assert TaskResult.objects.get(task_id=result.id).status == "STARTED"
     assert checkpoint_exists(redis_client, result.id)  # the newer execution will resume from it
+
+
+def test_the_execution_is_a_fencing_token_that_orders_retries_first_then_recovery_attempts() -> None:
+    from demoapp.tasks import summarize
+
+    from celery_orphans import Execution, execution
+
+    def of(retries: int, attempt: int | None) -> Execution:
+        headers = {} if attempt is None else {"celery_orphans": {"attempt": attempt}}
+        summarize.push_request(id="t", retries=retries, **headers)
+        try:
+            return execution(summarize)
+        finally:
+            summarize.pop_request()
+
+    assert of(0, None) == (0, 0)
+    assert of(0, None) < of(0, 1) < of(0, 2) < of(1, 0) < of(1, 1)

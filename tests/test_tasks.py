@@ -131,3 +131,15 @@ def test_task_marks_an_orphan_of_a_vanished_worker_terminal_as_the_beat_trigger(
         "beat",
         "vanished@test",
     )
+
+
+def test_celerys_received_and_succeeded_lines_of_the_sweep_task_stay_out_of_the_log(caplog):
+    from celery.app import trace
+
+    line = {"id": "t", "return_value": "'recovered 0 ...'", "runtime": 0.01, "args": "()", "kwargs": "{}"}
+    with caplog.at_level(logging.INFO):
+        trace.info(trace.LOG_SUCCESS, {**line, "name": "celery_orphans.reconcile"})
+        trace.info(trace.LOG_RECEIVED, {**line, "name": "celery_orphans.reconcile", "eta": None})
+        trace.info(trace.LOG_SUCCESS, {**line, "name": "demoapp.summarize"})
+
+    assert [r.getMessage().split("[")[0] for r in caplog.records] == ["Task demoapp.summarize"]

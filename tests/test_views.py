@@ -14,7 +14,8 @@ from django_celery_results.models import TaskResult
 from kombu.exceptions import OperationalError
 
 from celery_orphans import operations, sweep, views
-from celery_orphans.models import OrphanEvent
+from celery_orphans.models import OrphanEvent, Trigger
+from celery_orphans.sweep import runner
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
 from tests.test_admin import event, sweep_lock_held_elsewhere
@@ -78,14 +79,16 @@ def test_each_endpoint_allows_only_its_method(ops):
     assert refused["Allow"] == "POST"
 
 
-@pytest.mark.django_db
-def test_status_counts_running_tasks_and_orphans_by_verdict(ops, settings):
+@pytest.mark.django_db(transaction=True)
+def test_status_counts_what_the_last_sweep_found_by_verdict(ops, settings):
     settings.CELERY_ORPHANS_LEASE_SECONDS = 60
     Heartbeat("beating@test", boot="dead-boot").renew()  # its boot beats, so its task is alive
     factories.orphan(worker="beating@test")
     factories.orphan()
     factories.orphan("demoapp.scan", ("db",))
     factories.orphan(started_ago=0.5)
+    settings.CELERY_ORPHANS_SHADOW_MODE = True  # the sweep decides and records, and changes nothing
+    sweep.run(sweep.Options(trigger=Trigger.BEAT))
     event(task_id="latest", triggered_by="alice", trigger="admin")
 
     response = ops.get(STATUS)
@@ -103,11 +106,23 @@ def test_status_counts_running_tasks_and_orphans_by_verdict(ops, settings):
     }
     assert body["orphans"] == {**zero, "total": 2, "will_recover": 1, "not_recoverable": 1}
     assert body["leases"] == 1
-    assert body["last_sweep"] is None  # no sweep has run yet (the status view's is a dry run)
+    assert body["last_sweep"]["trigger"] == "beat" and 0 <= body["last_sweep"]["age_seconds"] < 60
     assert body["last_action"]["task_id"] == "latest"
     assert body["last_action"]["triggered_by"] == "alice"
     assert body["enabled"] is True
     assert response["Cache-Control"].startswith("max-age=0")
+
+
+@pytest.mark.django_db
+def test_status_before_any_sweep_says_so_and_asks_no_worker(ops, redis_client, monkeypatch):
+    def no_sweep(*args: object) -> None:
+        raise AssertionError("the status page ran a sweep")
+
+    monkeypatch.setattr(runner, "_sweep", no_sweep)
+
+    body = ops.get(STATUS).json()
+
+    assert (body["last_sweep"], body["in_flight"], body["orphans"]) == (None, None, None)
 
 
 @pytest.mark.django_db
@@ -295,8 +310,6 @@ def test_a_recovery_that_fails_part_way_is_a_503_naming_the_task(ops, monkeypatc
 
 
 def test_status_reports_the_last_sweep_that_was_not_a_dry_run(ops, redis_client):
-    from celery_orphans.models import Trigger
-
     factories.orphan()
     sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
 

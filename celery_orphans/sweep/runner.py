@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from typing import Any
 
 import redis
 from celery import Celery, current_app
@@ -19,6 +22,7 @@ from celery_orphans.entry import Entry
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.ledger import Ledger
 from celery_orphans.reconcile import (
+    Action,
     Candidate,
     Policy,
     WorkerView,
@@ -52,9 +56,11 @@ def run(options: Options, app: Celery | None = None) -> Report:
                 executor.close()
     report.duration = time.monotonic() - started
     metrics.swept(report.duration)
-    (logger.info if report.outcomes else logger.debug)("celery-orphans: %s", report.summary())
+    # A sweep that found nothing to act on (every task alive or in grace), as most do, is no news.
+    noteworthy = any(o.decision.action is not Action.LEAVE or o.error for o in report.outcomes)
+    (logger.info if noteworthy else logger.debug)("celery-orphans: %s", report.summary())
     failure = next((o for o in report.outcomes if o.error), None)
-    if not options.dry_run:
+    if not options.dry_run and options.boot is None and options.task_ids is None:
         _remember(options, report, failure)
     if failure is not None:
         raise SweepFailed(
@@ -64,13 +70,15 @@ def run(options: Options, app: Celery | None = None) -> Report:
 
 
 def _remember(options: Options, report: Report, failure: Outcome | None) -> None:
-    """Keep the last sweep's time and outcome for status pages (one small Redis hash)."""
+    """Keep the last whole sweep's time, outcome and decisions for status pages (one small Redis hash)."""
+    decided = Counter((o.decision.action, o.decision.reason, o.decision.evidence) for o in report.outcomes)
     record: dict[str | bytes, bytes | float | int | str] = {
         "at": timezone.now().isoformat(),
         "trigger": str(options.trigger),
         "ok": "false" if failure else "true",
         "summary": report.summary(),
         "error": failure.error or "" if failure else "",
+        "decisions": json.dumps([[a.value, r.value, e.value, n] for (a, r, e), n in sorted(decided.items())]),
     }
     try:
         client().hset(Keys.current().last_sweep, mapping=record)
@@ -78,13 +86,20 @@ def _remember(options: Options, report: Report, failure: Outcome | None) -> None
         logger.warning("celery-orphans: could not record the last sweep: %s", exc)
 
 
-def last_sweep() -> dict[str, str | bool] | None:
-    """The last (non-dry-run) sweep: when, what ran it, whether it finished, its summary line."""
+def last_sweep() -> dict[str, Any] | None:
+    """The last whole sweep that was not a dry run: when and how long ago, what ran it, whether it
+    finished, its summary line, and its decisions as ``[action, reason, evidence, count]``."""
     found = client().hgetall(Keys.current().last_sweep)
     if not found:
         return None
-    data = {k.decode(): v.decode() for k, v in found.items()}
-    return {**data, "ok": data.get("ok") == "true"}
+    data: dict[str, Any] = {k.decode(): v.decode() for k, v in found.items()}
+    data["ok"] = data.get("ok") == "true"
+    data["decisions"] = json.loads(data.get("decisions") or "[]")
+    try:
+        data["age_seconds"] = round((timezone.now() - datetime.fromisoformat(data["at"])).total_seconds(), 3)
+    except (KeyError, TypeError, ValueError):
+        data["age_seconds"] = None
+    return data
 
 
 def _sweep(app: Celery, options: Options, executors: list[actions.Executor]) -> Report:
