@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import shared_task
+from celery.signals import task_success
 
 from celery_orphans import recoverable
 
@@ -99,10 +100,17 @@ def _work(self: Any, seconds: float) -> dict[str, Any]:
     return {"seconds": seconds, "pid": os.getpid(), "node": self.request.hostname}
 
 
+def _stored(sender: Any = None, **kwargs: Any) -> None:
+    # task_success: the execution's outcome was handled (stored). A forfeit execution never gets here.
+    if getattr(sender, "name", None) == TASK:
+        _record(sender.request, "stored")
+
+
 if __name__ != "__main__":
     # Run as a script, this file is __main__: main() sets Django up, then imports it as benchmarks.chaos,
     # so the task is bound to the test project's Celery app rather than to a default app made too early.
     work = recoverable(max_attempts=10)(shared_task(bind=True, name=TASK)(_work))
+    task_success.connect(_stored, dispatch_uid="chaos.stored")
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -137,6 +145,14 @@ class Kill:
 
 
 @dataclass
+class Pause:
+    node: str
+    at: float
+    until: float
+    pids: set[int]
+
+
+@dataclass
 class Fleet:
     """The workers, the killer and the sweeper of one run."""
 
@@ -145,6 +161,7 @@ class Fleet:
     run_id: str
     concurrency: int = 2
     kills: list[Kill] = field(default_factory=list)
+    pauses: list[Pause] = field(default_factory=list)
     generation: int = 0
     pool: Any = None  # tests.workers.WorkerPool
 
@@ -184,7 +201,30 @@ class Fleet:
         return f"chaos-{label}-{self.run_id}@bench"
 
     def live(self) -> list[Any]:
-        return [w for w in self.workers if w.is_running()]
+        """The workers running and not stopped."""
+        now = time.time()
+        frozen = {p.node for p in self.pauses if p.at <= now < p.until + 1}
+        return [w for w in self.workers if w.is_running() and w.name not in frozen]
+
+    def pause_one(self, rng: random.Random, seconds: float) -> Pause | None:
+        """SIGSTOP a worker and its pool for ``seconds``, then SIGCONT it (a frozen VM, a debugger)."""
+        candidates = self.live()
+        if len(candidates) < 2:  # keep one worker running
+            return None
+        victim = rng.choice(candidates)
+        pids = group_pids(victim.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGSTOP)
+        pause = Pause(victim.name, time.time(), time.time() + seconds, pids)
+        self.pauses.append(pause)
+        threading.Timer(seconds, self._thaw, args=(victim,)).start()
+        log(f"stopped {victim.name} ({len(pids)} processes) for {seconds:g} s")
+        return pause
+
+    @staticmethod
+    def _thaw(victim: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGCONT)
 
     def kill_one(self, rng: random.Random) -> Kill:
         victim = rng.choice(self.live())
@@ -209,6 +249,7 @@ class Execution:
 
     start: dict[str, Any]
     finish: dict[str, Any] | None = None
+    stored: dict[str, Any] | None = None
 
     @property
     def runner(self) -> tuple[str, int]:
@@ -219,6 +260,20 @@ class Execution:
         began, pid = self.start["at"], self.start["pid"]
         ended = self.finish["at"] + LOST_AFTER_FINISH_SECONDS if self.finish else float("inf")
         return any(pid in k.pids and began <= k.at <= ended for k in kills)
+
+    def forfeit_by(self, pauses: list[Pause]) -> bool:
+        """Its process was stopped while it ran, so long that its worker gave it up."""
+        began, pid = self.start["at"], self.start["pid"]
+        ended = self.stored["at"] if self.stored else float("inf")
+        return any(pid in p.pids and began <= p.at <= ended for p in pauses)
+
+    def live_until(self, kills: list[Kill], pauses: list[Pause], fence: float) -> float:
+        """Until when it was a live execution: its end, its kill, or its fence once its worker stopped."""
+        pid, began = self.start["pid"], self.start["at"]
+        ends = [e["at"] for e in (self.stored, self.finish) if e is not None]
+        ends += [k.at for k in kills if pid in k.pids and k.at >= began]
+        ends += [p.at + fence for p in pauses if pid in p.pids and p.at >= began]
+        return min(ends, default=float("inf"))
 
 
 @dataclass
@@ -234,6 +289,9 @@ class Result:
     stale_copy_executions: int
     kills: int
     kills_same_name: int
+    pauses: int
+    duplicates_of_live: int
+    duplicates_dropped: int
     recovered: int
     recovered_by_trigger: dict[str, int]
     stale_copies_dropped: int
@@ -250,7 +308,10 @@ class Result:
             f"execution: {self.explained_by_kills} (of which {self.lost_after_finish} killed after the body "
             f"ended, before its result was stored), unexplained: {self.unexplained_extra_starts} (must be 0)",
             f"stale-copy executions after recovery: {self.stale_copy_executions} (must be 0)",
-            f"kills: {self.kills} ({self.kills_same_name} restarted under the same name); recoveries: "
+            f"starts of a task while a live execution of it ran: {self.duplicates_of_live} (must be 0); "
+            f"duplicate deliveries dropped by single flight: {self.duplicates_dropped}",
+            f"kills: {self.kills} ({self.kills_same_name} restarted under the same name); pauses past the "
+            f"lease: {self.pauses}; recoveries: "
             f"{self.recovered} {self.recovered_by_trigger}; stale copies dropped by the fence: "
             f"{self.stale_copies_dropped}; marked terminal: {self.marked_terminal}",
             f"duration: {self.seconds:.0f} s",
@@ -264,6 +325,7 @@ class Result:
             and self.finished_per_task == {1: self.tasks}
             and self.unexplained_extra_starts == 0
             and self.stale_copy_executions == 0
+            and self.duplicates_of_live == 0
         )
 
 
@@ -271,12 +333,15 @@ def executions_of(events: list[dict[str, Any]]) -> list[Execution]:
     """Pair each start with the finish recorded by the same process after it."""
     found: list[Execution] = []
     running: dict[int, Execution] = {}
+    last: dict[int, Execution] = {}
     for e in sorted(events, key=lambda e: e["at"]):
         if e["event"] == "start":
-            running[e["pid"]] = Execution(e)
+            running[e["pid"]] = last[e["pid"]] = Execution(e)
             found.append(running[e["pid"]])
-        elif e["pid"] in running:
+        elif e["event"] == "finish" and e["pid"] in running:
             running.pop(e["pid"]).finish = e
+        elif e["event"] == "stored" and e["pid"] in last:
+            last[e["pid"]].stored = e
     return found
 
 
@@ -291,8 +356,14 @@ def stored_runner(result: object) -> tuple[str, int] | None:
     return str(value.get("node")), int(value["pid"])
 
 
-def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) -> Result:
-    """Count executions per task from their own records, the kills and the audit log."""
+def analyse(
+    ids: list[str], kills: list[Kill], pauses: list[Pause], fence: float, fleet_logs: str, started: float
+) -> Result:
+    """Count executions per task from their own records, the kills, the pauses and the audit log.
+
+    ``fence`` is how long after its worker was stopped an execution still counts as live: the worker
+    gives its executions up that long after its last renewal at the latest.
+    """
     from django_celery_results.models import TaskResult
 
     from celery_orphans.models import OrphanEvent
@@ -313,16 +384,31 @@ def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) 
     rows = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").values_list("task_id", "result")
     stored = {task_id: stored_runner(result) for task_id, result in rows}
     finished: Counter[int] = Counter()
-    starts = explained = after_finish = stale = 0
+    starts = explained = after_finish = stale = live_duplicates = 0
     offenders = []
     for task_id in ids:
         runs = executions_of(events[task_id])
         starts += len(runs)
-        # An execution counts as finished when its outcome is the one stored: a body that ended in a
-        # process killed before it could store the result did not finish the task, and must run again.
-        lost = [r for r in runs if r.lost_to(kills) and r.runner != stored.get(task_id)]
-        done = [r for r in runs if r.finish is not None and r not in lost]
+        # An execution finished when its outcome was handled (task_success): a body that ended in a
+        # process killed before it could store the result, or given up by its stopped worker, did not
+        # finish the task, which rightly runs again.
+        lost = [
+            r
+            for r in runs
+            if (r.lost_to(kills) or r.forfeit_by(pauses))
+            and r.stored is None
+            and r.runner != stored.get(task_id)
+        ]
+        done = [r for r in runs if r.stored is not None]
         finished[len(done)] += 1
+        # A start while another execution of the same task was still live runs that task twice.
+        overlaps = [
+            s
+            for s in runs
+            for e in runs
+            if e is not s and e.start["at"] <= s.start["at"] < e.live_until(kills, pauses, fence)
+        ]
+        live_duplicates += len(overlaps)
         explained += len(lost)
         after_finish += sum(1 for r in lost if r.finish is not None)
         # A copy older than a recovery already sent should have been dropped by the fence.
@@ -332,7 +418,7 @@ def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) 
             if any(a > r.start["attempt"] and at <= r.start["at"] for a, at in recoveries.get(task_id, []))
         ]
         stale += len(late)
-        if len(done) != 1 or len(runs) - len(lost) != 1 or late:
+        if len(done) != 1 or len(runs) - len(lost) != 1 or late or overlaps:
             offenders.append(describe(task_id, runs, lost, recoveries.get(task_id, []), stored.get(task_id)))
     by_trigger = Counter(audit.filter(action="recovered").values_list("trigger", flat=True))
     return Result(
@@ -347,6 +433,9 @@ def analyse(ids: list[str], kills: list[Kill], fleet_logs: str, started: float) 
         stale_copy_executions=stale,
         kills=len(kills),
         kills_same_name=sum(1 for k in kills if k.restarted_as == k.node),
+        pauses=len(pauses),
+        duplicates_of_live=live_duplicates,
+        duplicates_dropped=audit.filter(action="duplicate_dropped").count(),
         recovered=sum(by_trigger.values()),
         recovered_by_trigger=dict(by_trigger),
         stale_copies_dropped=fleet_logs.count("dropped a stale copy"),
@@ -430,11 +519,20 @@ def run(
     sweep_every: float | None = None,
     seed: int | None = None,
     timeout: float = 3600,
+    pause_every: float = 0.0,
+    long_share: float = 0.0,
+    long_seconds: tuple[float, float] = (0.0, 0.0),
     say: Callable[[str], None] = log,
 ) -> Result:
-    """One chaos run in this (Django-configured) process; the workers get ``env``."""
+    """One chaos run in this (Django-configured) process; the workers get ``env``.
+
+    With ``pause_every``, a worker is also stopped (``SIGSTOP``) that often for one and a half leases;
+    ``long_share`` of the tasks run ``long_seconds`` (past the Redis visibility timeout) instead of 0.5 to
+    3 s.
+    """
     from celery_orphans.conf import settings
 
+    lease = float(env.get("CELERY_ORPHANS_LEASE_SECONDS", settings.LEASE_SECONDS))
     rng = random.Random(seed)
     fleet = Fleet(workdir, env, run_id=uuid.uuid4().hex[:8])
     stop = threading.Event()
@@ -458,27 +556,35 @@ def run(
             sweeping.start()
         ids = [str(uuid.uuid4()) for _ in range(tasks)]
         for task_id in ids:
-            work.apply_async((round(rng.uniform(0.5, 3.0), 2),), task_id=task_id, queue=fleet.queue)
-        say(f"queued {tasks} tasks on 3 workers; a kill every ~{kill_every:g} s")
+            seconds = rng.uniform(*long_seconds) if rng.random() < long_share else rng.uniform(0.5, 3.0)
+            work.apply_async((round(seconds, 2),), task_id=task_id, queue=fleet.queue)
+        pausing = f", a pause every ~{pause_every:g} s" if pause_every else ""
+        say(f"queued {tasks} tasks on 3 workers; a kill every ~{kill_every:g} s{pausing}")
 
         from django_celery_results.models import TaskResult
 
         deadline = time.monotonic() + timeout
         next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
+        next_pause = time.monotonic() + pause_every * rng.uniform(0.8, 1.2) if pause_every else float("inf")
         while True:
             done = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").count()
             if done == tasks or time.monotonic() > deadline:
                 break
-            if time.monotonic() >= next_kill:
+            if time.monotonic() >= next_kill and fleet.live():
                 fleet.kill_one(rng)
                 next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
-                say(f"{done} of {tasks} done, {len(fleet.kills)} kills")
+                say(f"{done} of {tasks} done, {len(fleet.kills)} kills, {len(fleet.pauses)} pauses")
+            if time.monotonic() >= next_pause:
+                fleet.pause_one(rng, 1.5 * lease)
+                next_pause = time.monotonic() + pause_every * rng.uniform(0.8, 1.2)
             time.sleep(0.2)
         # Let whatever copies are still queued reach a worker (a stale one must be dropped, not run).
         drained = time.monotonic() + 30
         while queued(fleet.queue) and time.monotonic() < drained:
             time.sleep(0.2)
-        return analyse(ids, fleet.kills, "".join(w.log() for w in fleet.workers), started)
+        time.sleep(max((p.until - time.time() for p in fleet.pauses), default=0) + 1)  # every worker thawed
+        logs = "".join(w.log() for w in fleet.workers)
+        return analyse(ids, fleet.kills, fleet.pauses, 0.8 * lease, logs, started)
     finally:
         stop.set()
         if beat is not None and beat.poll() is None:
@@ -501,6 +607,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--visibility-timeout", type=int, default=30, help="Redis transport, in seconds")
+    parser.add_argument("--pause-every", type=float, default=0.0, help="seconds between SIGSTOPs (0: none)")
+    parser.add_argument(
+        "--long-share", type=float, default=0.0, help="share of tasks past the visibility timeout"
+    )
+    parser.add_argument(
+        "--lease", type=float, default=3.0, help="CELERY_ORPHANS_LEASE_SECONDS of the workers"
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="keep worker logs here")
     args = parser.parse_args()
 
@@ -524,6 +637,8 @@ def main() -> int:
         # Short, so the transport restores killed workers' originals during the run: the fence must drop
         # every one of them.
         "TESTPROJECT_VISIBILITY_TIMEOUT": str(args.visibility_timeout),
+        "CELERY_ORPHANS_LEASE_SECONDS": str(args.lease),
+        "CELERY_ORPHANS_HEARTBEAT_SECONDS": str(args.lease / 5),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(PROJECT)]),
     }
     os.environ.update(env)
@@ -558,6 +673,9 @@ def main() -> int:
             env=env,
             sweeper=args.sweeper,
             seed=args.seed,
+            pause_every=args.pause_every,
+            long_share=args.long_share,
+            long_seconds=(1.5 * args.visibility_timeout, 2.5 * args.visibility_timeout),
             timeout=args.timeout,
         )
     if vhost is not None:

@@ -4,26 +4,9 @@ from __future__ import annotations
 
 from django.db import models
 
+from celery_orphans.choices import AuditAction, Trigger
 
-class AuditAction(models.TextChoices):
-    """What an audit row records was done (or, in shadow mode, would have been)."""
-
-    RECOVERED = "recovered", "Recovered"
-    MARKED_TERMINAL = "marked_terminal", "Marked terminal"
-    FORGOTTEN = "forgotten", "Forgotten (already finished)"
-    WOULD_RECOVER = "would_recover", "Would recover (shadow mode)"
-    WOULD_MARK_TERMINAL = "would_mark_terminal", "Would mark terminal (shadow mode)"
-    WOULD_FORGET = "would_forget", "Would forget (shadow mode)"
-    DUPLICATE_DROPPED = "duplicate_dropped", "Duplicate dropped (the task runs elsewhere)"
-
-
-class Trigger(models.TextChoices):
-    BEAT = "beat", "Beat schedule"
-    COMMAND = "command", "Management command"
-    WORKER_BOOT = "worker_boot", "Worker boot"
-    WORKER = "worker", "Worker (pool process lost)"
-    ADMIN = "admin", "Admin action"
-    API = "api", "HTTP endpoint"
+__all__ = ["AuditAction", "OrphanEvent", "Trigger"]
 
 
 class OrphanEvent(models.Model):

@@ -20,9 +20,9 @@ from django.utils import timezone
 from kombu.exceptions import KombuError
 
 from celery_orphans import leases
+from celery_orphans.choices import Trigger
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import CeleryOrphansError
-from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action, Decision, Evidence, Reason
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep.runner import run

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from celery import shared_task
 
 from celery_orphans import sweep
+from celery_orphans.choices import Trigger
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import SweepLocked
-from celery_orphans.models import Trigger
 
 logger = logging.getLogger(__name__)
 _said_disabled = False

@@ -24,10 +24,10 @@ from kombu.exceptions import KombuError, OperationalError
 
 from celery_orphans import leases, metrics
 from celery_orphans.checkpoints import CheckpointStore
+from celery_orphans.choices import Trigger
 from celery_orphans.conf import settings
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Ledger
-from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action, Candidate, Decision, Evidence, Reason
 from celery_orphans.sweep import audit, broker, rows
 from celery_orphans.sweep.values import Outcome

@@ -5,16 +5,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.apps import apps
 from django.db import transaction
 from django.dispatch import Signal
 
 from celery_orphans.checkpoints import Saved
-from celery_orphans.models import AuditAction, OrphanEvent, Trigger
+from celery_orphans.choices import AuditAction, Trigger
 from celery_orphans.reconcile import Action, Decision
 from celery_orphans.signals import orphan_detected, orphan_marked_terminal, orphan_recovered
 from celery_orphans.sweep.values import Outcome
 
 logger = logging.getLogger(__name__)
+
+
+def _events() -> Any:
+    # The model, looked up when it is needed: this module is imported before Django's apps are ready.
+    return apps.get_model("celery_orphans", "OrphanEvent")
+
 
 _AUDITED = {
     Action.RECOVER: AuditAction.RECOVERED,
@@ -37,8 +44,8 @@ def record(
     user: str = "",
     shadow: bool = False,
     checkpoint: Saved | None = None,
-) -> OrphanEvent:
-    return OrphanEvent.objects.create(
+) -> Any:
+    return _events().objects.create(
         task_id=decision.task_id,
         task_name=task_name[:255],
         worker=worker[:255],
@@ -54,9 +61,9 @@ def record(
     )
 
 
-def record_duplicate(task_id: str, task_name: str, worker: str, running_on: str) -> OrphanEvent:
+def record_duplicate(task_id: str, task_name: str, worker: str, running_on: str) -> Any:
     """A worker dropped a delivery of a task that an execution on ``running_on`` runs and is alive."""
-    return OrphanEvent.objects.create(
+    return _events().objects.create(
         task_id=task_id,
         task_name=task_name[:255],
         worker=worker[:255],
@@ -70,10 +77,10 @@ def record_duplicate(task_id: str, task_name: str, worker: str, running_on: str)
 
 def record_once(
     decision: Decision, *, task_name: str, worker: str, trigger: Trigger, user: str = "", shadow: bool = False
-) -> OrphanEvent | None:
+) -> Any:
     """Like ``record``, unless the same action was already recorded for the task (shadow mode repeats)."""
     action = (_SHADOWED if shadow else _AUDITED)[decision.action]
-    if OrphanEvent.objects.filter(task_id=decision.task_id, action=action).exists():
+    if _events().objects.filter(task_id=decision.task_id, action=action).exists():
         return None
     return record(decision, task_name=task_name, worker=worker, trigger=trigger, user=user, shadow=shadow)
 
@@ -89,8 +96,10 @@ def recorded_recoveries(wanted: dict[str, tuple[int, float]]) -> set[str]:
     ``since`` (when the recovered execution began) keeps an old row of the same attempt number, from
     before the fence expired and the count began again, from counting.
     """
-    found = OrphanEvent.objects.filter(task_id__in=list(wanted), action=AuditAction.RECOVERED).values_list(
-        "task_id", "attempt", "created_at"
+    found = (
+        _events()
+        .objects.filter(task_id__in=list(wanted), action=AuditAction.RECOVERED)
+        .values_list("task_id", "attempt", "created_at")
     )
     return {
         task_id
@@ -126,7 +135,7 @@ def announce(outcome: Outcome, trigger: Trigger) -> None:
 
 
 def _send(signal: Signal, arguments: dict[str, Any]) -> None:
-    for receiver, result in signal.send_robust(sender=OrphanEvent, **arguments):
+    for receiver, result in signal.send_robust(sender=_events(), **arguments):
         if isinstance(result, Exception):
             logger.error(
                 "celery-orphans: a receiver of a celery-orphans signal raised for task %s: %r (%s)",

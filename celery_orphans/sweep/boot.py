@@ -17,9 +17,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections
 
 from celery_orphans import leases
+from celery_orphans.choices import Trigger
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import CeleryOrphansError, SweepLocked
-from celery_orphans.models import Trigger
 from celery_orphans.sweep.runner import run
 from celery_orphans.sweep.values import BootScope, Options
 

@@ -11,18 +11,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone as dt_timezone
+from typing import Any
 
 from celery import states
+from django.apps import apps
 from django.conf import settings as django_settings
 from django.db import connections
 from django.db.models import Expression, FloatField, Func, Q, QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
-from django_celery_results.models import TaskResult
 
 from celery_orphans.exceptions import RecoveryLimitReached, TaskOrphaned
 
 _FIELDS = ("task_id", "task_name", "status", "worker")
+
+
+def _results() -> Any:
+    # The model, looked up when it is needed: this module is imported before Django's apps are ready.
+    return apps.get_model("django_celery_results", "TaskResult")
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class Row:
 def started_rows(cutoff: datetime | None, only: Iterable[str] | None = None) -> list[Row]:
     """STARTED rows whose task started before ``cutoff``, or all of them (rows without a start time use
     their creation)."""
-    query = TaskResult.objects.filter(status=states.STARTED)
+    query = _results().objects.filter(status=states.STARTED)
     if cutoff is not None:
         query = query.filter(
             Q(date_started__lte=cutoff) | Q(date_started__isnull=True, date_created__lte=cutoff)
@@ -52,16 +58,16 @@ def rows_by_id(task_ids: Iterable[str]) -> dict[str, Row]:
     ids = list(task_ids)
     if not ids:
         return {}
-    return _rows(TaskResult.objects.filter(task_id__in=ids))
+    return _rows(_results().objects.filter(task_id__in=ids))
 
 
-def _rows(query: QuerySet[TaskResult]) -> dict[str, Row]:
+def _rows(query: QuerySet[Any]) -> dict[str, Row]:
     # Without the model's ORDER BY date_done and without the ``result`` text, which only a row that
     # lacks its ``worker`` needs (read for those alone): half the time of the full row on a large table.
     values = list(query.order_by().values_list(*_FIELDS, _started(query.db)))
     nameless = [task_id for task_id, _, _, worker, _ in values if not worker]
     results = dict(
-        TaskResult.objects.filter(task_id__in=nameless).order_by().values_list("task_id", "result")
+        _results().objects.filter(task_id__in=nameless).order_by().values_list("task_id", "result")
         if nameless
         else ()
     )
@@ -118,8 +124,9 @@ def _exception_json(exc: BaseException) -> str:
 
 def _move(task_id: str, status: str, exc: BaseException, detail: str) -> int:
     """Move a row that has not finished to ``status``; returns how many rows moved (0 or 1)."""
-    return (
-        TaskResult.objects.filter(task_id=task_id)
+    moved = (
+        _results()
+        .objects.filter(task_id=task_id)
         .exclude(status__in=states.READY_STATES)
         .update(
             status=status,
@@ -130,11 +137,12 @@ def _move(task_id: str, status: str, exc: BaseException, detail: str) -> int:
             date_done=timezone.now(),
         )
     )
+    return int(moved)
 
 
 def finished(task_id: str) -> bool:
     """Whether the task's row says it ended (the worker wrote its outcome)."""
-    return TaskResult.objects.filter(task_id=task_id, status__in=states.READY_STATES).exists()
+    return bool(_results().objects.filter(task_id=task_id, status__in=states.READY_STATES).exists())
 
 
 def mark_retry(task_id: str, detail: str) -> int:

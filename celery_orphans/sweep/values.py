@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from celery_orphans.choices import Trigger
 from celery_orphans.exceptions import CeleryOrphansError
-from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action, Decision, Reason
 
 

@@ -15,10 +15,10 @@ from typing import Any
 from django.utils import timezone
 
 from celery_orphans import registry
+from celery_orphans.choices import Trigger
 from celery_orphans.conf import settings
 from celery_orphans.entry import Entry, delivery_from_message
 from celery_orphans.ledger import Ledger, ledger_for, now
-from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Candidate, Decision, Policy
 from celery_orphans.sweep.actions import Executor
 from celery_orphans.sweep.values import Outcome

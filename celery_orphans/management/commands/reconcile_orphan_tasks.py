@@ -13,9 +13,9 @@ from django.db import DatabaseError
 from kombu.exceptions import KombuError
 
 from celery_orphans import sweep
+from celery_orphans.choices import Trigger
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import LedgerUnavailable, SweepLocked
-from celery_orphans.models import Trigger
 from celery_orphans.reconcile import Action
 
 MAX_GRACE_MINUTES = 60 * 24 * 365  # a year: longer than any task, short enough for a date
