@@ -74,6 +74,12 @@ def _runs_redis() -> Any:
     return redis.Redis.from_url(settings.REDIS_URL)
 
 
+def _own_sweeps_on() -> dict[str, str]:
+    from tests.workers import OWN_SWEEPS_ON
+
+    return OWN_SWEEPS_ON
+
+
 def _record(request: Any, event: str) -> None:
     meta = getattr(request, "celery_orphans", None)
     attempt = meta.get("attempt", 0) if isinstance(meta, dict) else 0
@@ -179,8 +185,9 @@ class Fleet:
             name,
             concurrency=self.concurrency,
             queues=(self.queue, self.sweep_queue),
-            # A worker restarted under its name recovers its earlier boot's tasks, as in production.
-            env={"CELERY_ORPHANS_BOOT_SWEEP": self.env.get("CELERY_ORPHANS_BOOT_SWEEP", "true")},
+            # A worker's own sweeps (at boot, and the watch's) run as in production, unless the run's
+            # environment switches them off.
+            env={name: self.env.get(name, value) for name, value in _own_sweeps_on().items()},
             include=("benchmarks.chaos",),
             wait=wait,
             ready_timeout=60,

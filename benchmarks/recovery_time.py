@@ -55,9 +55,8 @@ from benchmarks.interleave import spread  # noqa: E402
 from celery_orphans.conf import settings  # noqa: E402
 from celery_orphans.models import OrphanEvent  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
-from tests.workers import PROJECT, Worker, WorkerPool, process_tree  # noqa: E402
+from tests.workers import OWN_SWEEPS_ON, PROJECT, Worker, WorkerPool, process_tree  # noqa: E402
 
-DEFAULT_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true"}
 MIN_TRIALS = 5  # fewer cannot judge a median or a 95th percentile
 
 
@@ -116,14 +115,14 @@ def judged(values: list[float], met: bool) -> bool | None:
 
 def same_name(pool: WorkerPool, trials: int) -> list[float]:
     times = []
-    worker = pool.start("p1@bench", env=DEFAULT_ON)
+    worker = pool.start("p1@bench", env=OWN_SWEEPS_ON)
     for i in range(trials):
         result = summarize.delay([i], seconds=30)
         wait_started(result.id, "p1@bench")
         time.sleep(0.5)  # let it run a little, as a real task would have
         worker.kill()
         killed = time.time()
-        worker = pool.start("p1@bench", env=DEFAULT_ON)
+        worker = pool.start("p1@bench", env=OWN_SWEEPS_ON)
         wait_rerun(result.id, 60, worker)
         times.append(starts(result.id)[1] - killed)
         app.control.revoke(result.id, terminate=True)
@@ -134,12 +133,12 @@ def same_name(pool: WorkerPool, trials: int) -> list[float]:
 
 def never_back(pool: WorkerPool, trials: int, rng: random.Random) -> list[float]:
     survivor = "p2-survivor@bench"
-    surviving = pool.start(survivor, queues=("celery",), concurrency=2, env=DEFAULT_ON)
+    surviving = pool.start(survivor, queues=("celery",), concurrency=2, env=OWN_SWEEPS_ON)
     times = []
     delays = spread(trials, settings.SWEEP_INTERVAL_SECONDS, rng)
     for i in range(trials):
         name = f"p2-victim-{i}@bench"
-        victim = pool.start(name, queues=("victim",), env=DEFAULT_ON)
+        victim = pool.start(name, queues=("victim",), env=OWN_SWEEPS_ON)
         result = summarize.apply_async(([i],), {"seconds": 60}, queue="victim")
         wait_started(result.id, name)
         app.control.add_consumer("victim", destination=[survivor], reply=True, timeout=5)

@@ -24,6 +24,7 @@ class Trigger(models.TextChoices):
     BEAT = "beat", "Beat schedule"
     COMMAND = "command", "Management command"
     WORKER_BOOT = "worker_boot", "Worker boot"
+    WATCH = "watch", "Worker watch (a lease lapsed or a process exited)"
     WORKER = "worker", "Worker (pool process lost)"
     ADMIN = "admin", "Admin action"
     API = "api", "HTTP endpoint"

@@ -195,6 +195,13 @@ class Settings:
         True,
         "When a worker boots, recover at once what an earlier boot of its node name left running.",
     )
+    WATCH = Setting(
+        "WATCH",
+        _bool,
+        True,
+        "Let each worker sweep at once when its heartbeat sees another boot's lease lapse, or the "
+        "process of a boot on its machine exit, instead of waiting for Beat's next sweep.",
+    )
     SHADOW_MODE = Setting(
         "SHADOW_MODE",
         _bool,

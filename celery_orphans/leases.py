@@ -3,36 +3,58 @@
 Each worker boot proves it is alive by renewing one Redis key (``worker/heartbeat.py``). The key holds
 the node name and an id unique to this boot of the process, and expires on its own (Redis enforces it,
 so no clocks are compared). Each node also keeps a hash of its boots, with when each last renewed and
-until when that renewal holds, in Redis's time, which outlives the leases.
+until when that renewal holds, in Redis's time, which outlives the leases. The watch orders every boot
+by that instant, and each machine's hash names the processes of the boots on it (``processes.py``):
+every renewal reads both, so the workers themselves notice a lapsed lease or an exited process
+(``sweep/watch.py``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import redis
 
+from celery_orphans import scripts
+from celery_orphans.processes import Process, exited
 from celery_orphans.store import Keys, client
 
 logger = logging.getLogger(__name__)
 
 
+class Boots(NamedTuple):
+    """A node's boots as its record in Redis has them: alive, gone (a record that lapsed), exited."""
+
+    alive: frozenset[str]
+    gone: frozenset[str]
+    exited: frozenset[str]  # gone, and seen to exit by a process on its machine
+
+
 def fresh_boots(
     nodes: Iterable[str], conn: redis.Redis[bytes] | None = None, *, prune: bool = True
 ) -> dict[str, frozenset[str]]:
-    """For each node name, the boot ids that may still be alive (two round trips in all).
+    """For each node name, the boot ids that may still be alive (of ``boot_states``)."""
+    return {node: b.alive for node, b in boot_states(nodes, conn, prune=prune).items()}
+
+
+def boot_states(
+    nodes: Iterable[str], conn: redis.Redis[bytes] | None = None, *, prune: bool = True
+) -> dict[str, Boots]:
+    """For each node name, its boots that may still be alive and those known gone (two round trips).
 
     A boot is alive while its lease exists, and also while its last renewal still holds by the node's
     record although the lease is gone: a lease deleted, evicted or lost in a failover says nothing of
-    its worker, which gives its executions up at its next beat, when it finds the lease gone.
+    its worker, which gives its executions up at its next beat, when it finds the lease gone. A boot
+    with a record that is neither is gone; a boot without a record is neither alive nor known gone.
 
-    With ``prune``, boots that are neither are dropped from their node's set, so the sets of names that
-    never come back do not grow with every crash. A live boot wrongly dropped adds itself at its next beat.
+    With ``prune``, gone boots are dropped from their node's set and from the watch, so the sets of
+    names that never come back do not grow with every crash. A live boot wrongly dropped adds itself at
+    its next beat.
     """
     conn = conn or client()
     keys = Keys.current()
@@ -51,27 +73,105 @@ def fresh_boots(
     for node, boot in pairs:
         pipe.exists(keys.lease(node, boot))
     leased = {pair for pair, exists in zip(pairs, pipe.execute() if pairs else []) if exists}
-    alive = {pair for pair in pairs if pair in leased or records[pair[0]][pair[1]][1] > now_ms}
+    alive = {pair for pair in pairs if pair in leased or records[pair[0]][pair[1]].until > now_ms}
     lapsed = [pair for pair in pairs if pair not in alive]
     if prune and lapsed:
         pipe = conn.pipeline(transaction=False)
         for node, boot in lapsed:
             pipe.hdel(keys.boots(node), boot)
+            pipe.zrem(keys.watch, member(node, boot))
         pipe.execute()
-    return {node: frozenset(b for b in records[node] if (node, b) in alive) for node in nodes}
+    return {
+        node: Boots(
+            alive=frozenset(b for b in records[node] if (node, b) in alive),
+            gone=frozenset(b for b in records[node] if (node, b) not in alive),
+            exited=frozenset(b for b, r in records[node].items() if r.exited and (node, b) not in alive),
+        )
+        for node in nodes
+    }
+
+
+def member(node: str, boot: str) -> str:
+    """A boot's name in the watch and in its machine's hash (a boot id holds no space)."""
+    return f"{boot} {node}"
+
+
+def _pair(value: bytes | str) -> tuple[str, str]:
+    boot, _, node = _text(value).partition(" ")
+    return node, boot
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a renewal saw: lapsed boots, and the other boots of its machine with their processes."""
+
+    lapsed: list[tuple[str, str]] = field(default_factory=list)
+    neighbours: list[tuple[str, str, Process]] = field(default_factory=list)
+
+    @classmethod
+    def from_reply(cls, reply: list[Any], machine: str | None, own: tuple[str, str]) -> Seen:
+        """From the renewal script's reply (``scripts.RENEW``) of the boot ``own``."""
+        lapsed = [_pair(m) for m in reply[1]] if len(reply) > 1 else []
+        flat = reply[2] if len(reply) > 2 else []
+        neighbours = []
+        for name, value in zip(flat[::2], flat[1::2]):
+            process = Process.parse(machine, _text(value)) if machine else None
+            if process is not None and _pair(name) != own:
+                neighbours.append((*_pair(name), process))
+        return cls([p for p in lapsed if p != own], neighbours)
+
+
+def claim_lapsed(node: str, boot: str, conn: redis.Redis[bytes] | None = None) -> bool:
+    """Take a lapsed boot off the watch; ``True`` for the one caller that did."""
+    conn = conn or client()
+    claim = conn.register_script(scripts.CLAIM_LAPSED)
+    return bool(claim(keys=[Keys.current().watch], args=[member(node, boot)]))
+
+
+def record_exit(node: str, boot: str, process: Process, conn: redis.Redis[bytes] | None = None) -> bool:
+    """Record that the process of ``boot`` exited; ``True`` for the one caller that recorded it."""
+    conn = conn or client()
+    keys = Keys.current()
+    record = conn.register_script(scripts.EXITED)
+    return bool(
+        record(
+            keys=[keys.machine(process.machine), keys.lease(node, boot), keys.boots(node), keys.watch],
+            args=[member(node, boot), str(process), boot],
+        )
+    )
+
+
+def drop(node: str, boot: str, machine: str | None, conn: redis.Redis[bytes] | None = None) -> None:
+    """Remove every record of a boot that stops or gives up: a sweep need not wait for it to lapse."""
+    conn = conn or client()
+    keys = Keys.current()
+    pipe = conn.pipeline(transaction=False)
+    pipe.delete(keys.lease(node, boot))
+    pipe.hdel(keys.boots(node), boot)
+    pipe.zrem(keys.watch, member(node, boot))
+    if machine:
+        pipe.hdel(keys.machine(machine), member(node, boot))
+    pipe.execute()
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _renewal(value: bytes | str | None) -> tuple[float, float]:
-    """A boot's record, ``renewed_ms:until_ms`` in Redis's time, as milliseconds; zeros if unreadable."""
+class Renewal(NamedTuple):
+    renewed: float  # ms, Redis's time
+    until: float  # ms, Redis's time; 0 once its process exited
+    exited: bool
+
+
+def _renewal(value: bytes | str | None) -> Renewal:
+    """A boot's record, ``renewed_ms:until_ms`` (or ``renewed_ms:0:exited``); zeros if unreadable."""
+    renewed, _, rest = _text(value or b"").partition(":")
+    until, _, mark = rest.partition(":")
     try:
-        renewed, until = _text(value or b"").split(":")
-        return float(renewed), float(until)
+        return Renewal(float(renewed), float(until), mark == "exited")
     except ValueError:
-        return 0.0, 0.0
+        return Renewal(0.0, 0.0, False)
 
 
 def last_beats(
@@ -87,7 +187,7 @@ def last_beats(
         pipe.hget(keys.boots(node), boot)
     found = {}
     for pair, value in zip(pairs, pipe.execute() if pairs else []):
-        renewed_ms, _ = _renewal(value)
+        renewed_ms = _renewal(value).renewed
         if renewed_ms:
             found[pair] = renewed_ms / 1000
     return found
@@ -131,18 +231,10 @@ def renewed_within(node: str, boots: Iterable[str], seconds: float) -> frozenset
 
 
 def _provably_gone(value: bytes) -> bool:
-    """A lease written on this host by a process id that no longer exists is a dead boot's."""
+    """A lease whose process, on this machine, has exited is a dead boot's."""
     try:
         lease = json.loads(value)
-        host, pid = lease["host"], int(lease["pid"])
-    except (ValueError, KeyError, TypeError):
+        process = Process.parse(lease["machine"], lease["process"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         return False
-    if host != socket.gethostname() or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return process is not None and exited(process)

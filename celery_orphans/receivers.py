@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from celery_orphans.conf import settings
-from celery_orphans.sweep import boot
+from celery_orphans.sweep import boot, watch
 from celery_orphans.worker import fence, heartbeat
 from celery_orphans.worker.outbox import outbox
 
@@ -22,13 +22,17 @@ def worker_ready(sender: Any = None, **kwargs: Any) -> None:
     node = getattr(sender, "hostname", None)
     if not node:
         return
+    app = getattr(sender, "app", None)
+    on_renewed = watch.Watch(app).seen if settings.ENABLED and settings.WATCH else None
     try:
-        beat = heartbeat.start(node, functools.partial(fence.stop_executions, getattr(sender, "pool", None)))
+        beat = heartbeat.start(
+            node, functools.partial(fence.stop_executions, getattr(sender, "pool", None)), on_renewed
+        )
     except ImproperlyConfigured as exc:
         logger.error("celery-orphans: worker %s runs without a lease: %s", node, exc)
         return
     if settings.ENABLED and settings.BOOT_SWEEP:
-        boot.start(getattr(sender, "app", None), beat.node, beat.boot, timezone.now())
+        boot.start(app, beat.node, beat.boot, timezone.now())
 
 
 def worker_shutdown(**kwargs: Any) -> None:

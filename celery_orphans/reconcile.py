@@ -36,6 +36,7 @@ class Evidence(str, enum.Enum):
     WORKER_HOLDS_TASK = "worker_holds_task"
     BOOT_ALIVE = "boot_alive"  # the worker boot its ledger entry names still holds its lease
     LEASE_LAPSED = "lease_lapsed"  # that boot's lease is gone: the boot gave up what it ran (fence.py)
+    PROCESS_EXITED = "process_exited"  # a process on its machine saw that boot's process exit
     WORKER_ANSWERED_WITHOUT_TASK = "worker_answered_without_task"
     NO_REPLY_LEASE_FRESH = "no_reply_lease_fresh"
     NO_REPLY_NO_LEASE = "no_reply_no_lease"
@@ -69,6 +70,7 @@ ORPHAN_EVIDENCE = frozenset(
     {
         Evidence.WORKER_ANSWERED_WITHOUT_TASK,
         Evidence.LEASE_LAPSED,
+        Evidence.PROCESS_EXITED,
         Evidence.NO_REPLY_NO_LEASE,
         Evidence.FOUND_AT_BOOT,
         Evidence.POOL_CHILD_LOST,
@@ -106,6 +108,8 @@ class WorkerView:
     replied: bool
     held: frozenset[str] = frozenset()
     fresh_boots: frozenset[str] = frozenset()
+    gone_boots: frozenset[str] = frozenset()  # boots whose record says they are gone, not just unknown
+    exited_boots: frozenset[str] = frozenset()  # of those, the ones whose process was seen to exit
     at_boot: bool = False  # the view is the booting worker's own: it knows exactly what it holds
     asked: frozenset[str] | None = None  # the ids it was asked about (None: every id); a reply says no more
 
@@ -179,7 +183,11 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
             detail=f"recovery {c.attempts} was sent by an earlier sweep that could not finish recording it",
             attempt=c.attempts,
         )
-    if c.started_at > policy.now - policy.grace:
+    w = worker or WorkerView(replied=False)
+    # The grace keeps a task's records from being judged while they are being written. A task whose
+    # ledger entry names a boot known gone needs none: that boot's lease was written before the entry.
+    boot_gone = c.boot is not None and not w.at_boot and c.boot in w.gone_boots
+    if c.started_at > policy.now - policy.grace and not boot_gone:
         return Decision(c.task_id, Action.LEAVE, Reason.IN_GRACE)
     if c.handed_back_at is not None and c.handed_back_at > policy.now - HAND_BACK_GRACE:
         return Decision(
@@ -188,7 +196,7 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
             Reason.HANDED_BACK,
             detail=f"its worker gave the message back to the broker at {c.handed_back_at.isoformat()}",
         )
-    evidence = judge(c, worker or WorkerView(replied=False))
+    evidence = judge(c, w)
     if evidence not in ORPHAN_EVIDENCE:
         return Decision(c.task_id, Action.LEAVE, Reason.ALIVE, evidence)
     return _act_on_orphan(c, evidence, policy)
@@ -208,7 +216,7 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
         return Evidence.WORKER_HOLDS_TASK if c.task_id in w.held else Evidence.FOUND_AT_BOOT
     if c.boot is not None:
         if c.boot not in w.fresh_boots:
-            return Evidence.LEASE_LAPSED
+            return Evidence.PROCESS_EXITED if c.boot in w.exited_boots else Evidence.LEASE_LAPSED
         held = w.answers_for(c.task_id) and c.task_id in w.held
         return Evidence.WORKER_HOLDS_TASK if held else Evidence.BOOT_ALIVE
     if w.answers_for(c.task_id):

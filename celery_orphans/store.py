@@ -77,6 +77,13 @@ class Keys:
         return f"{self.prefix}:boots:{node}"
 
     @property
+    def watch(self) -> str:
+        return f"{self.prefix}:watch"
+
+    def machine(self, machine: str) -> str:
+        return f"{self.prefix}:machine:{machine}"
+
+    @property
     def last_sweep(self) -> str:
         return f"{self.prefix}:last-sweep"
 

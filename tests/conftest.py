@@ -190,8 +190,8 @@ def beat(redis_client: redis.Redis) -> Iterator[MakeBeat]:
     """Make heartbeats (read the settings in force at the call); every one is stopped afterwards."""
     made: list[Heartbeat] = []
 
-    def make(node: str, *, boot: str | None = None) -> Heartbeat:
-        made.append(Heartbeat(node, boot))
+    def make(node: str, *, boot: str | None = None, on_renewed: Any = None) -> Heartbeat:
+        made.append(Heartbeat(node, boot, on_renewed=on_renewed))
         return made[-1]
 
     yield make

@@ -29,7 +29,7 @@ from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action
 from tests import factories
 from tests.helpers import ROOT, wait_for
-from tests.workers import BOOT_SWEEP_OFF, PROJECT, Worker, WorkerPool
+from tests.workers import OWN_SWEEPS_OFF, PROJECT, Worker, WorkerPool
 
 DOCS = ROOT / "docs"
 SOFT_SHUTDOWN_TIMEOUT = 3.0
@@ -78,7 +78,7 @@ def start(workers: WorkerPool, name: str, command: list[str], env: dict[str, str
         process = subprocess.Popen(
             command,
             cwd=PROJECT,
-            env={**workers.env, **BOOT_SWEEP_OFF, "PATH": path, **env},
+            env={**workers.env, **OWN_SWEEPS_OFF, "PATH": path, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

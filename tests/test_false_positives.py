@@ -1,7 +1,11 @@
-"""No live task is ever recovered: busy solo workers, busy loops, a paused Redis, a cut broker link."""
+"""No live task is ever recovered: busy solo workers, busy loops, a paused Redis, a cut broker link.
+
+The workers run with their own sweeps on (at boot, and the watch's), as in production.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -9,18 +13,30 @@ import pytest
 from django.db import connection
 
 from celery_orphans import sweep
+from celery_orphans.exceptions import SweepLocked
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Evidence
 from celery_orphans.store import Keys
 from tests.helpers import finishes, outcome_of, started_on, starts, wait_for
+from tests.workers import OWN_SWEEPS_ON
 
 pytestmark = pytest.mark.worker
+
+
+@pytest.fixture(autouse=True)
+def production_workers(workers):
+    """Workers with their own sweeps on, as in production, and one more worker beside the tested one:
+    its heartbeat watches the tested worker's lease and process, and would sweep if it saw them gone."""
+    workers.own_sweeps = OWN_SWEEPS_ON
+    workers.start("bystander@test", queues=("bystander",))
+    return workers
 
 
 def sweep_while(condition: object, every: float = 1.0) -> list[sweep.Report]:
     reports = []
     while condition():  # type: ignore[operator]
-        reports.append(sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0)))
+        with contextlib.suppress(SweepLocked):  # a worker's own sweep: its outcomes are audited too
+            reports.append(sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0)))
         time.sleep(every)
     return reports
 

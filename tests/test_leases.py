@@ -12,7 +12,7 @@ import pytest
 import redis
 from pytest_django import Settings
 
-from celery_orphans import leases
+from celery_orphans import leases, processes
 from celery_orphans.leases import fresh_boots
 from celery_orphans.store import Keys
 from celery_orphans.worker.heartbeat import Heartbeat
@@ -127,20 +127,32 @@ def test_renewed_within_does_not_wait_for_a_boot_whose_process_is_gone_from_this
 @pytest.mark.parametrize(
     "lease",
     [
-        pytest.param({"host": "elsewhere"}, id="written-on-another-host"),
-        pytest.param({"pid": "own"}, id="written-by-this-process"),
-        pytest.param({"pid": "not-a-pid"}, id="unreadable-pid"),
+        pytest.param({"machine": "another-kernel/pid:[1]"}, id="written-on-another-machine"),
+        pytest.param({"machine": None}, id="written-where-no-process-can-tell"),
+        pytest.param({"machine": None, "process": None}, id="written-before-processes-were-recorded"),
+        pytest.param({"process": "own"}, id="written-by-this-process"),
+        pytest.param({"process": "not-a-pid"}, id="unreadable-process"),
         pytest.param(None, id="not-json"),
     ],
 )
 def test_renewed_within_waits_out_a_lease_it_cannot_prove_dead(
     redis_client: redis.Redis, node: str, lease: dict[str, Any] | None
 ) -> None:
-    value: dict[str, Any] = {"node": node, "boot": "b", "pid": 2**22 + 1, "host": socket.gethostname()}
+    here = processes.this()
+    assert here is not None
+    gone = 2**22 + 1  # above the kernel's largest pid: no process has it
+    value: dict[str, Any] = {
+        "node": node,
+        "boot": "b",
+        "pid": gone,
+        "host": socket.gethostname(),
+        "machine": here.machine,
+        "process": f"{gone} 1",
+    }
     if lease is not None:
         value.update(lease)
-        if value["pid"] == "own":
-            value["pid"] = os.getpid()
+        if value["process"] == "own":
+            value["process"] = str(here)
     redis_client.set(Keys.current().lease(node, "b"), "{not json" if lease is None else json.dumps(value))
     started = time.monotonic()
 

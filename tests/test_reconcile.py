@@ -68,6 +68,8 @@ def policy(**overrides: Any) -> Policy:
 
 
 FRESH = frozenset({BOOT})
+GONE = WorkerView(replied=False, gone_boots=frozenset({BOOT}))
+EXITED = WorkerView(replied=False, gone_boots=frozenset({BOOT}), exited_boots=frozenset({BOOT}))
 
 
 @pytest.mark.parametrize(
@@ -90,6 +92,8 @@ FRESH = frozenset({BOOT})
             id="boot-alive-answered-without-it-so-it-ends-there",
         ),
         pytest.param(BOOT, SILENT, Evidence.LEASE_LAPSED, id="boot-lapsed-no-leases"),
+        pytest.param(BOOT, GONE, Evidence.LEASE_LAPSED, id="boot-lapsed-by-its-record"),
+        pytest.param(BOOT, EXITED, Evidence.PROCESS_EXITED, id="boot-process-seen-to-exit"),
         pytest.param(BOOT, HOLDS, Evidence.LEASE_LAPSED, id="boot-lapsed-its-stale-run-is-forfeit"),
         pytest.param(
             BOOT,
@@ -210,6 +214,37 @@ def test_a_start_in_the_future_is_reported_and_never_acted_on(started_at: dateti
     assert (decision.action, decision.reason) == (Action.REPORT, Reason.UNREADABLE)
     assert started_at.isoformat() in decision.detail
     assert "in the future" in decision.detail
+
+
+@pytest.mark.parametrize(
+    ("view", "evidence"),
+    [
+        pytest.param(EXITED, Evidence.PROCESS_EXITED, id="exited"),
+        pytest.param(GONE, Evidence.LEASE_LAPSED, id="lapsed"),
+    ],
+)
+def test_a_task_in_its_grace_period_on_a_boot_known_gone_is_judged_at_once(
+    view: WorkerView, evidence: Evidence
+) -> None:
+    decision = decide(candidate(started_at=NOW), view, policy())
+
+    assert (decision.action, decision.evidence) == (Action.RECOVER, evidence)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "view"),
+    [
+        pytest.param({}, SILENT, id="a-boot-without-a-record-may-be-taking-its-first-lease"),
+        pytest.param({"boot": None, "has_entry": False}, EXITED, id="a-result-row-alone-names-no-boot"),
+        pytest.param({"boot": "boot-b"}, EXITED, id="another-boot-of-the-node-is-gone"),
+    ],
+)
+def test_a_task_in_its_grace_period_is_left_unless_its_own_boot_is_known_gone(
+    overrides: dict[str, Any], view: WorkerView
+) -> None:
+    decision = decide(candidate(started_at=NOW, **overrides), view, policy())
+
+    assert decision == Decision(TASK, Action.LEAVE, Reason.IN_GRACE)
 
 
 def test_a_task_exactly_as_old_as_the_grace_period_is_judged() -> None:
@@ -646,6 +681,8 @@ VIEWS = [
     WorkerView(replied=False, fresh_boots=frozenset({BOOT})),
     WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
     SILENT,
+    GONE,
+    EXITED,
     None,
 ]
 UNJUDGEABLE = [{"problem": "unreadable"}, {"worker": None}, {"task_name": None}, {"task_known": False}]
@@ -669,9 +706,14 @@ def test_no_combination_acts_on_a_record_it_cannot_judge_or_a_task_in_grace() ->
 
         if record or started is None or started > NOW + CLOCK_TOLERANCE:
             assert d.action is Action.REPORT, (c, view, d)
+            assert d.evidence is Evidence.NONE, (c, view, d)
+        elif boot is not None and view is not None and boot in view.gone_boots:
+            # The one exception: the boot its ledger entry names is known gone, so no record of it is
+            # still being written.
+            assert d.evidence in (Evidence.LEASE_LAPSED, Evidence.PROCESS_EXITED), (c, view, d)
         else:
             assert (d.action, d.reason) == (Action.LEAVE, Reason.IN_GRACE), (c, view, d)
-        assert d.evidence is Evidence.NONE, (c, view, d)
+            assert d.evidence is Evidence.NONE, (c, view, d)
 
 
 def _check_judged(c: Candidate, view: WorkerView | None, p: Policy, d: Decision) -> None:

@@ -15,8 +15,10 @@ from pathlib import Path
 from tests.helpers import ROOT, wait_for
 
 __all__ = ["ROOT", "Worker", "WorkerPool", "process_tree", "wait_for"]
-# Most tests exercise the regular sweep; the ones about the boot sweep switch it back on.
-BOOT_SWEEP_OFF = {"CELERY_ORPHANS_BOOT_SWEEP": "false"}
+# Most tests drive the sweeps themselves; the ones about a worker's own sweeps (at boot, and the watch's
+# when a boot is gone) switch them back on, as the benchmarks do: they are on by default.
+OWN_SWEEPS_OFF = {"CELERY_ORPHANS_BOOT_SWEEP": "false", "CELERY_ORPHANS_WATCH": "false"}
+OWN_SWEEPS_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true", "CELERY_ORPHANS_WATCH": "true"}
 PROJECT = ROOT / "testproject"
 
 
@@ -87,6 +89,7 @@ class WorkerPool:
     def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
         self.tmp_path = tmp_path
         self.env = env
+        self.own_sweeps = OWN_SWEEPS_OFF  # what every worker it starts gets, unless ``env`` says otherwise
         self.workers: list[Worker] = []
 
     def start(
@@ -127,7 +130,7 @@ class WorkerPool:
             process = subprocess.Popen(
                 command,
                 cwd=PROJECT,
-                env={**self.env, **BOOT_SWEEP_OFF, **(env or {})},
+                env={**self.env, **self.own_sweeps, **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -147,19 +147,22 @@ def observe(
     answers again, inside the broadcast's wait, so a live worker is not judged by that gap.
     """
     everyone = set(nodes) | set(ask)
-    before = leases.fresh_boots(everyone, conn, prune=False)
+    before = leases.boot_states(everyone, conn, prune=False)
     # A node without a live boot runs nothing: asking it would only wait out its silence.
-    asking = {node: ids for node, ids in ask.items() if before.get(node)}
+    asking = {node: ids for node, ids in ask.items() if before[node].alive}
     question = frozenset().union(*asking.values()) if asking else frozenset()
     held = ask_workers(app, asking, question, timeout) if asking else {}
     silent = [node for node in asking if node not in held]
-    after = leases.fresh_boots(silent, conn, prune=False) if silent else {}
-    return {
-        node: WorkerView(
+    after = leases.boot_states(silent, conn, prune=False) if silent else {}
+    views = {}
+    for node in everyone:
+        alive = before[node].alive | (after[node].alive if node in after else frozenset())
+        views[node] = WorkerView(
             replied=node in held,
             held=held.get(node, frozenset()),
-            fresh_boots=before.get(node, frozenset()) | after.get(node, frozenset()),
+            fresh_boots=alive,
+            gone_boots=before[node].gone - alive,
+            exited_boots=before[node].exited - alive,
             asked=question if node in asking else frozenset(),
         )
-        for node in everyone
-    }
+    return views

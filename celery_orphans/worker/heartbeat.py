@@ -1,7 +1,8 @@
 """The heartbeat: a worker's main process keeps its lease alive from a daemon thread.
 
 It keeps beating while the main loop is busy, as a solo pool running a task is. The lease is read by
-the sweep and by booting workers (``leases.py``).
+the sweep and by booting workers (``leases.py``). Each renewal also tells what it saw of the other
+boots (lapsed leases, the processes on this machine) to ``on_renewed``: the worker's watch.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from collections.abc import Callable
 
 import redis
 
-from celery_orphans import scripts
+from celery_orphans import leases, processes, scripts
 from celery_orphans.conf import settings
 from celery_orphans.store import Keys, client
 from celery_orphans.worker import fence
 
 logger = logging.getLogger(__name__)
+HOST = socket.gethostname()
+WATCH_LIMIT = 16  # lapsed boots a renewal reports at most; the next renewals report the rest
 
 
 class Heartbeat:
@@ -34,11 +37,16 @@ class Heartbeat:
     """
 
     def __init__(
-        self, node: str, boot: str | None = None, on_forfeit: Callable[[int], int] | None = None
+        self,
+        node: str,
+        boot: str | None = None,
+        on_forfeit: Callable[[int], int] | None = None,
+        on_renewed: Callable[[leases.Seen], None] | None = None,
     ) -> None:
         self.node = node
         self.boot = boot or uuid.uuid4().hex
         self.pid = os.getpid()
+        self.process = processes.this()
         self.keys = Keys.current()
         self._tokens = itertools.count()
         self.interval = settings.HEARTBEAT_SECONDS
@@ -48,6 +56,7 @@ class Heartbeat:
         self.generation = 1
         self.valid_until = 0.0  # time.monotonic(); 0: no renewal holds (none yet, or forfeit since)
         self.on_forfeit = on_forfeit
+        self.on_renewed = on_renewed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -79,11 +88,11 @@ class Heartbeat:
         if self.valid_until and begun >= self.valid_until:
             self.forfeit("its lease was not renewed in time")
         try:
-            written = self._write(first=not self.valid_until)
-            if not written:
+            seen = self._write(first=not self.valid_until)
+            if seen is None:
                 self.forfeit("its lease is gone from Redis")
                 begun = time.monotonic()
-                written = self._write(first=True)
+                seen = self._write(first=True)
         except redis.RedisError as exc:
             if not self._failing:
                 logger.warning("celery-orphans: cannot renew the lease of %s: %s", self.node, exc)
@@ -92,26 +101,45 @@ class Heartbeat:
         if self._failing:
             logger.info("celery-orphans: lease of %s renewed again", self.node)
         self._failing = False
-        if written:
-            # Redis set the expiry once it had the command, so no sooner than this.
-            self.valid_until = begun + self.lease_seconds - self.margin
-            fence.publish(self.generation, self.valid_until)
-        return written
+        if seen is None:
+            return False
+        # Redis set the expiry once it had the command, so no sooner than this.
+        self.valid_until = begun + self.lease_seconds - self.margin
+        fence.publish(self.generation, self.valid_until)
+        if self.on_renewed is not None and (seen.lapsed or seen.neighbours):
+            try:
+                self.on_renewed(seen)
+            except Exception:
+                logger.exception("celery-orphans: the watch of %s failed", self.node)
+        return True
 
-    def _write(self, *, first: bool) -> bool:
+    def _write(self, *, first: bool) -> leases.Seen | None:
+        """Write the lease; what the renewal saw of other boots, or ``None`` if the lease was not written."""
+        process = self.process
         value = json.dumps(
             {
                 "node": self.node,
                 "boot": self.boot,
                 "pid": self.pid,
-                "host": socket.gethostname(),
+                "host": HOST,
+                "machine": process.machine if process else None,
+                "process": str(process) if process else None,
                 "renewed_at": time.time(),
             }
         )
-        keys = [self.lease_key, self.keys.boots(self.node)]
+        machine = self.keys.machine(process.machine) if process else self.keys.watch
+        keys = [self.lease_key, self.keys.boots(self.node), self.keys.watch, machine]
+        member = leases.member(self.node, self.boot)
         lease_ms = int(self.lease_seconds * 1000)
+        limit = WATCH_LIMIT if self.on_renewed is not None else 0
         renew = client().register_script(scripts.RENEW)
-        return bool(renew(keys=keys, args=[value, lease_ms, self.boot, "1" if first else "0"]))
+        reply = renew(
+            keys=keys,
+            args=[value, lease_ms, self.boot, "1" if first else "0", member, str(process or ""), limit],
+        )
+        if not reply[0]:
+            return None
+        return leases.Seen.from_reply(reply, process.machine if process else None, (self.node, self.boot))
 
     def forfeit(self, why: str) -> None:
         """Give up every execution of this boot, and start a new boot with a lease of its own."""
@@ -136,10 +164,7 @@ class Heartbeat:
             logger.warning("celery-orphans: cannot drop the old lease of %s: %s", self.node, exc)
 
     def _drop(self, boot: str) -> None:
-        pipe = client().pipeline(transaction=False)
-        pipe.delete(self.keys.lease(self.node, boot))
-        pipe.hdel(self.keys.boots(self.node), boot)
-        pipe.execute()
+        leases.drop(self.node, boot, self.process.machine if self.process else None)
 
     def _run(self) -> None:
         while not self._stop.wait(self._until_next()):
@@ -172,12 +197,17 @@ def current() -> Heartbeat | None:
     return _current if _current is not None and _current.pid == os.getpid() else None
 
 
-def start(node: str, on_forfeit: Callable[[int], int] | None = None) -> Heartbeat:
-    """Start this process's heartbeat; ``on_forfeit(generation)`` stops the executions of a boot given up."""
+def start(
+    node: str,
+    on_forfeit: Callable[[int], int] | None = None,
+    on_renewed: Callable[[leases.Seen], None] | None = None,
+) -> Heartbeat:
+    """Start this process's heartbeat; ``on_forfeit(generation)`` stops the executions of a boot given
+    up, ``on_renewed(seen)`` hears what a renewal saw of other boots."""
     global _current
     if _current is not None and _current.pid == os.getpid():
         return _current
-    _current = Heartbeat(node, on_forfeit=on_forfeit)
+    _current = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed)
     _current.start()
     logger.info("celery-orphans: lease of %s (boot %s) started", node, _current.boot)
     return _current
