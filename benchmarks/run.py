@@ -55,10 +55,17 @@ def checks(data: dict[str, Any]) -> list[Row]:
     return [(c["benchmark"], c["target"], c["measured"], verdict(c["pass"])) for c in data["checks"]]
 
 
+RECOVERY_LABELS = {
+    "P1_same_name_restart": "P1 same-name restart",
+    "P2_never_back": "P2 never back, seen from its machine",
+    "P2b_never_back_not_seen": "P2b never back, lease only",
+}
+
+
 def recovery_rows(data: dict[str, Any]) -> list[Row]:
     rows = []
     for name, r in data.items():
-        label = "P1 same-name restart" if name.startswith("P1") else "P2 worker never back"
+        label = RECOVERY_LABELS.get(name, name)
         measured = f"p50 {r['p50']:.1f} s, p95 {r['p95']:.1f} s, max {r['max']:.1f} s (n={r['n']})"
         rows.append((label, r["target"], measured, verdict(r["pass"])))
     return rows
@@ -177,9 +184,35 @@ def hygiene_rows(data: dict[str, Any]) -> list[Row]:
     return rows
 
 
-# Full size: P1 and P2 trials fit in the reference's three minutes of waiting.
-RECOVERY_FULL = ["--trials", "10", "--p2-trials", "8"]
-RECOVERY_QUICK = ["--trials", "1"]
+def redis_cost_rows(data: dict[str, Any]) -> list[Row]:
+    one, many, idle = data["idle_worker"], data["idle_workers_simulated"], data["sweep_with_nothing_to_do"]
+    return [
+        (
+            "Redis, per idle worker",
+            "info",
+            f"{one['round_trips_per_second']:.2f} round trips/s, {one['commands_per_second']:.1f} commands/s",
+            "info",
+        ),
+        (
+            f"Redis, {many['leases']:,} idle workers (simulated)",
+            "info",
+            f"{many['round_trips_per_second']:,.0f} round trips/s, {many['commands_per_second']:,.0f} "
+            f"commands/s, Redis CPU {many['redis_cpu_share']:.1%}",
+            "info",
+        ),
+        (
+            "Redis, a sweep with nothing to do",
+            "no broadcast",
+            f"{idle['redis_commands']} commands, {idle['broadcasts']} broadcasts, "
+            f"{idle['seconds'] * 1000:.0f} ms",
+            verdict(idle["broadcasts"] == 0),
+        ),
+    ]
+
+
+# Full size: 20 trials of P1 and of P2; P2b waits out a lease per trial.
+RECOVERY_FULL = ["--trials", "20", "--p2b-trials", "8"]
+RECOVERY_QUICK = ["--trials", "1", "--p2b-trials", "1"]
 
 # Run while the P3 reference pings one worker after another (see the docstring); P5 once P1's worker
 # restarts are over.
@@ -190,6 +223,7 @@ BENCHMARKS = [
     Benchmark("sweep_scale", "sweep_scale.py", [], ["--quick"], sweep_rows),
     Benchmark("throughput", "throughput.py", [], ["--quick"], throughput_rows),
     Benchmark("hygiene", "hygiene.py", [], ["--quick"], hygiene_rows),
+    Benchmark("redis_cost", "redis_cost.py", [], ["--quick"], redis_cost_rows),
 ]
 
 

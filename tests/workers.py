@@ -103,9 +103,12 @@ class WorkerPool:
         include: tuple[str, ...] = (),
         wait: bool = True,
         ready_timeout: float = 30,
+        wrapper: tuple[str, ...] = (),
     ) -> Worker:
+        """Start a worker; ``wrapper`` is a command it runs under (``unshare`` for a pid namespace)."""
         log_path = self.tmp_path / f"{name.replace('@', '_')}-{len(self.workers)}.log"
         command = [
+            *wrapper,
             sys.executable,
             "-m",
             "celery",
