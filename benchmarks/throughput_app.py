@@ -88,7 +88,7 @@ def _time_hooks() -> None:
 
         return wrapper
 
-    request = importlib.import_module("celery_orphans.request")
+    request = importlib.import_module("celery_orphans.worker.request")
     mixin = getattr(request, "RecoverableRequestMixin", None)
     for attr, label in (
         ("_orphans_admit", "ledger write before the task (main process)"),
