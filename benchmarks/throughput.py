@@ -58,7 +58,9 @@ from tests.workers import Worker, process_tree  # noqa: E402
 NODE = "throughput@bench"
 VARIANTS = ("plain", "ours")
 KINDS = ("noop", "sleep10ms")
-TARGET = 0.97
+# ours / plain, the median of the trials' own ratios: a no-op, where our per-task write weighs most, and
+# a 10 ms task, closer to real work.
+TARGETS = {"noop": 0.97, "sleep10ms": 0.98}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -320,7 +322,7 @@ def main() -> None:
     finally:
         runner.close()
     results["worker_restarted_from_outside"] = runner.restarts
-    missed = any(results[kind]["ratio"] < TARGET for kind in KINDS)
+    missed = any(results[kind]["ratio"] < TARGETS[kind] for kind in KINDS)
     if args.profile_hooks or (missed and not args.quick):
         noop = results["noop"]
         results["hooks"] = hooks = profile_hooks(tmp, noop["batch"])
@@ -344,11 +346,11 @@ def main() -> None:
     results["checks"] = [
         {
             "benchmark": f"P4 throughput, {kind}",
-            "target": f">= {TARGET:.0%} of plain",
+            "target": f">= {TARGETS[kind]:.0%} of plain",
             "measured": f"{results[kind]['ratio']:.1%}",
             # Two trials cannot judge a margin of three points when one trial's ratio varies by two or
             # three: at --quick size the figure is printed, not judged.
-            "pass": None if args.quick else results[kind]["ratio"] >= TARGET,
+            "pass": None if args.quick else results[kind]["ratio"] >= TARGETS[kind],
         }
         for kind in KINDS
     ]

@@ -81,6 +81,19 @@ def boots_of(redis_client: redis.Redis, node: str) -> set[str]:
     return {b.decode() for b in redis_client.hkeys(Keys.current().boots(node))}
 
 
+def lease_of_exited_process(node: str, boot: str) -> int:
+    """A forked process that takes a lease as ``boot`` of ``node`` and exits without giving it up."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if Heartbeat(node, boot=boot).renew() else 2
+        finally:
+            os._exit(code)
+    assert exit_code_of(pid) == 0
+    return pid
+
+
 def exit_code_of(pid: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:

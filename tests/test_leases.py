@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from typing import Any
@@ -15,8 +14,7 @@ from pytest_django import Settings
 from celery_orphans import leases, processes
 from celery_orphans.leases import fresh_boots
 from celery_orphans.store import Keys
-from celery_orphans.worker.heartbeat import Heartbeat
-from tests.helpers import MakeBeat, boots_of, exit_code_of, lease_key, wait_for
+from tests.helpers import MakeBeat, boots_of, lease_key, lease_of_exited_process, wait_for
 
 # --- the lease ------------------------------------------------------------------------------------
 
@@ -109,14 +107,7 @@ def test_renewed_within_does_not_wait_for_a_boot_whose_process_is_gone_from_this
     beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
     short_lease.CELERY_ORPHANS_LEASE_SECONDS = 30
-    pid = os.fork()
-    if pid == 0:  # the child writes a lease under its own pid, then dies without stopping it
-        code = 1
-        try:
-            code = 0 if Heartbeat(node, boot="dead").renew() else 2
-        finally:
-            os._exit(code)
-    assert exit_code_of(pid) == 0
+    pid = lease_of_exited_process(node, "dead")
     assert json.loads(redis_client.get(Keys.current().lease(node, "dead")))["pid"] == pid
     started = time.monotonic()
 

@@ -17,26 +17,21 @@ from celery_orphans import leases, processes
 from celery_orphans.leases import Seen, fresh_boots
 from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys
-from celery_orphans.worker.heartbeat import Heartbeat
-from tests.helpers import MakeBeat, boots_of, exit_code_of, finishes, lease_key, started_on, starts, wait_for
+from tests.helpers import (
+    MakeBeat,
+    boots_of,
+    finishes,
+    lease_key,
+    lease_of_exited_process,
+    started_on,
+    starts,
+    wait_for,
+)
 from tests.workers import OWN_SWEEPS_ON
 
 
 def watch_members(redis_client: redis.Redis) -> set[str]:
     return {m.decode() for m in redis_client.zrange(Keys.current().watch, 0, -1)}
-
-
-def exited_child(node: str) -> int:
-    """A forked process that takes a lease as boot ``gone`` and exits without giving it up."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if Heartbeat(node, boot="gone").renew() else 2
-        finally:
-            os._exit(code)
-    assert exit_code_of(pid) == 0
-    return pid
 
 
 # --- what a renewal sees ----------------------------------------------------------------------------
@@ -73,7 +68,7 @@ def test_of_the_workers_that_saw_a_lease_lapse_one_claims_it_and_none_claims_a_l
 def test_a_renewal_reports_the_other_boots_on_its_machine_with_their_processes(
     beat: MakeBeat, node: str
 ) -> None:
-    pid = exited_child(node)
+    pid = lease_of_exited_process(node, "gone")
     seen: list[Seen] = []
     watcher = beat(f"{node}-watcher", on_renewed=seen.append)
 
@@ -88,7 +83,7 @@ def test_a_renewal_reports_the_other_boots_on_its_machine_with_their_processes(
 def test_an_exit_is_recorded_once_and_then_the_boot_is_gone_exited_and_off_the_watch(
     beat: MakeBeat, redis_client: redis.Redis, node: str
 ) -> None:
-    exited_child(node)
+    lease_of_exited_process(node, "gone")
     seen: list[Seen] = []
     beat(f"{node}-watcher", on_renewed=seen.append).renew()
     [(_, _, process)] = seen[0].neighbours
