@@ -193,9 +193,11 @@ def last_beats(
     return found
 
 
-def count() -> int:
-    """How many worker boots hold a live lease now (a SCAN: for status pages, not hot paths)."""
-    return sum(1 for _ in client().scan_iter(match=f"{Keys.current().prefix}:lease:*", count=500))
+def count(conn: redis.Redis[bytes] | None = None) -> int:
+    """How many worker boots hold a live lease now: those whose last renewal still holds (one round trip)."""
+    conn = conn or client()
+    seconds, micros = conn.time()
+    return int(conn.zcount(Keys.current().watch, f"({seconds * 1000 + micros // 1000}", "+inf"))
 
 
 def renewals(

@@ -6,7 +6,10 @@ Metrics go to prometheus-client's default registry, which a project exposes as i
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import redis
 
 from celery_orphans import leases
 
@@ -15,6 +18,7 @@ try:
 except ImportError:  # the extra is optional: without it every function here does nothing
     prometheus_client = None  # type: ignore[assignment]
 
+logger = logging.getLogger(__name__)
 _metrics: dict[str, Any] = {}
 
 # From a worker's death to its task being sent again: seconds, up to a few minutes.
@@ -43,9 +47,11 @@ def _get() -> dict[str, Any]:
                 buckets=RECOVERY_BUCKETS,
             ),
             sweep_duration=p.Histogram("celery_orphans_sweep_duration_seconds", "Duration of a sweep."),
-            leases=p.Gauge("celery_orphans_leases", "Worker boots holding a live lease."),
+            # Set by every sweep; in multiprocess mode the value of the process that set it last.
+            leases=p.Gauge(
+                "celery_orphans_leases", "Worker boots holding a live lease.", multiprocess_mode="mostrecent"
+            ),
         )
-        _metrics["leases"].set_function(leases.count)
     return _metrics
 
 
@@ -67,3 +73,7 @@ def swept(seconds: float) -> None:
     m = _get()
     if m:
         m["sweep_duration"].observe(seconds)
+        try:
+            m["leases"].set(leases.count())
+        except redis.RedisError as exc:
+            logger.warning("celery-orphans: cannot count the leases for the metrics: %s", exc)

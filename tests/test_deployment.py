@@ -313,11 +313,6 @@ def test_the_guides_metrics_server_exports_a_recovery_made_in_a_pool_process(
 
 @pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="celery_orphans_leases is a Gauge with set_function(): the multiprocess collector never calls "
-    "it and reads the gauge's files instead, where it is 0 with one series per pool process id.",
-)
 def test_the_leases_gauge_counts_live_leases_in_multiprocess_mode(workers, redis_client, celery_app):
     from celery_orphans import leases
 

@@ -158,3 +158,16 @@ def test_renewed_within_waits_out_a_lease_it_cannot_prove_dead(
 
 
 # --- Redis failures -------------------------------------------------------------------------------
+
+
+def test_count_is_the_boots_whose_last_renewal_still_holds(
+    beat: MakeBeat, short_lease: Settings, node: str
+) -> None:
+    live, unrenewed, stopped = beat(node), beat(node), beat(f"{node}-2")
+    live.start()
+    unrenewed.renew()
+    stopped.start()
+    stopped.stop()
+
+    assert leases.count() == 2
+    wait_for(lambda: leases.count() == 1, what="the unrenewed lease to lapse")
