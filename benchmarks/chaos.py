@@ -406,7 +406,8 @@ def analyse(
             and r.stored is None
             and r.runner != stored.get(task_id)
         ]
-        done = [r for r in runs if r.stored is not None]
+        # Stored: its task_success was recorded, or the row holds its outcome (killed in between).
+        done = [r for r in runs if r.stored is not None or r.runner == stored.get(task_id)]
         finished[len(done)] += 1
         # A start while another execution of the same task was still live runs that task twice.
         overlaps = [

@@ -18,6 +18,7 @@ class CeleryOrphansConfig(AppConfig):
         checks.register()
         for name in tasks.QUIETED:
             logging.getLogger(name).addFilter(tasks.QuietSweeps())
+        signals.worker_init.connect(receivers.worker_init, dispatch_uid="celery_orphans.worker_init")
         signals.worker_ready.connect(receivers.worker_ready, dispatch_uid="celery_orphans.worker_ready")
         signals.worker_shutdown.connect(
             receivers.worker_shutdown, dispatch_uid="celery_orphans.worker_shutdown"

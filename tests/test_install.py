@@ -141,4 +141,4 @@ def test_a_fresh_install_recovers_a_task_whose_worker_was_killed(
     assert project.query(
         "SELECT trigger, evidence FROM celery_orphans_orphanevent WHERE task_id = ? AND action = 'recovered'",
         task_id,
-    ) == [("beat", "lease_lapsed")]
+    ) == [("watch", "process_exited")]  # the second worker saw the first one's process gone

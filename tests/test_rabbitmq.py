@@ -18,6 +18,7 @@ import pytest
 from django_celery_results.models import TaskResult
 
 from celery_orphans import sweep
+from celery_orphans.entry import Entry
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.reconcile import Action, Evidence
@@ -179,3 +180,24 @@ def test_poison_task_on_rabbitmq_ends_terminal_after_max_attempts(workers: Any, 
     assert OrphanEvent.objects.filter(task_id=result.id, action="recovered").count() == 2
     assert executions(result.id).count("start") == 3
     assert OrphanEvent.objects.filter(task_id=result.id).latest("id").action == "marked_terminal"
+
+
+def test_messages_handed_over_before_the_worker_is_ready_are_admitted_under_its_lease(
+    workers: Any, amqp_broker: str, redis_client: Any
+) -> None:
+    from demoapp.tasks import summarize
+
+    # Queued before the worker exists. A worker subscribes to its queues one by one, and RabbitMQ hands
+    # over the first queue's messages while the worker waits for the second subscription to be
+    # confirmed: before the worker says it is ready.
+    results = [summarize.delay([n], seconds=3) for n in range(3)]
+    workers.start("rmq-early@test", env=on(amqp_broker), concurrency=2, queues=("celery", "later"))
+    for result in results[:2]:
+        begun(result.id)
+
+    entries = Ledger(client(), Keys.current()).load([r.id for r in results[:2]])
+    for entry in entries.values():
+        assert isinstance(entry, Entry)
+        assert entry.node == "rmq-early@test"
+        assert redis_client.exists(Keys.current().lease(entry.node, entry.boot))
+    assert [r.get(timeout=30) for r in results] == [0, 1, 2]

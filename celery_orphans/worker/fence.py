@@ -21,6 +21,7 @@ import ctypes
 import functools
 import logging
 import multiprocessing
+import os
 import signal
 import time
 from typing import Any
@@ -109,7 +110,11 @@ def guard_task(task: Task[Any, Any]) -> None:
 
 def stop_executions(pool: Any, generation: int) -> int:
     """Mark the executions of ``generation`` and older forfeit; kill their pool processes where the pool
-    runs each in a process of its own (prefork). Returns how many were marked."""
+    runs each in a process of its own (prefork), or their greenlets (gevent: ``GreenletExit`` at the next
+    point where the body yields). Returns how many were marked.
+
+    On the solo and threads pools the execution runs in a thread of this process, which cannot be stopped
+    from outside: the body runs to its end, refused only what ``guard_task`` guards."""
     stopped = 0
     for request in list(state.active_requests):
         admitted = getattr(request, "_orphans_generation", None)
@@ -118,9 +123,11 @@ def stop_executions(pool: Any, generation: int) -> int:
         request._orphans_forfeit = True
         stopped += 1
         pid = getattr(request, "worker_pid", None)
-        if pid and pool is not None and hasattr(pool, "terminate_job"):
+        if pid and pid != os.getpid() and pool is not None:  # solo and threads report this process
             try:
                 pool.terminate_job(pid, signal.SIGKILL)
+            except NotImplementedError:
+                pass  # a pool that cannot stop one execution: its outcome is refused all the same
             except OSError as exc:
                 logger.info(
                     "celery-orphans: the pool process of %s[%s] is gone: %s", request.name, request.id, exc

@@ -72,14 +72,24 @@ class Heartbeat:
         """
         return f"{self.boot}.{next(self._tokens):x}"
 
+    def take(self) -> None:
+        """Take the lease without the thread that keeps it: a worker does so before it forks its pool
+        and consumes, so that its first deliveries are admitted under the lease. A thread running while
+        the pool forks could leave a lock held in the child for ever, so the beating waits for
+        ``start()``, and what this renewal saw of other boots is left to the next one."""
+        self.renew(watching=False)
+
     def start(self) -> None:
+        """Renew now, then keep renewing from a thread until stopped."""
+        if self._thread is not None:
+            return
         self.renew()
         self._thread = threading.Thread(
             target=self._run, name=f"celery-orphans-heartbeat-{self.node}", daemon=True
         )
         self._thread.start()
 
-    def renew(self) -> bool:
+    def renew(self, *, watching: bool = True) -> bool:
         """Renew the lease (or take it, for a new boot); ``False`` when Redis could not be reached."""
         if os.getpid() != self.pid:  # a forked child must never keep its parent's lease alive
             self._stop.set()
@@ -106,7 +116,7 @@ class Heartbeat:
         # Redis set the expiry once it had the command, so no sooner than this.
         self.valid_until = begun + self.lease_seconds - self.margin
         fence.publish(self.generation, self.valid_until)
-        if self.on_renewed is not None and (seen.lapsed or seen.neighbours):
+        if watching and self.on_renewed is not None and (seen.lapsed or seen.neighbours):
             try:
                 self.on_renewed(seen)
             except Exception:
@@ -197,20 +207,32 @@ def current() -> Heartbeat | None:
     return _current if _current is not None and _current.pid == os.getpid() else None
 
 
+def take(
+    node: str,
+    on_forfeit: Callable[[int], int] | None = None,
+    on_renewed: Callable[[leases.Seen], None] | None = None,
+) -> Heartbeat:
+    """Take this process's lease, not yet kept alive (``Heartbeat.take``); ``on_forfeit(generation)``
+    stops the executions of a boot given up, ``on_renewed(seen)`` hears what a renewal saw of other
+    boots."""
+    global _current
+    beat = current()
+    if beat is None:
+        beat = _current = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed)
+        beat.take()
+        logger.info("celery-orphans: lease of %s (boot %s) taken", node, beat.boot)
+    return beat
+
+
 def start(
     node: str,
     on_forfeit: Callable[[int], int] | None = None,
     on_renewed: Callable[[leases.Seen], None] | None = None,
 ) -> Heartbeat:
-    """Start this process's heartbeat; ``on_forfeit(generation)`` stops the executions of a boot given
-    up, ``on_renewed(seen)`` hears what a renewal saw of other boots."""
-    global _current
-    if _current is not None and _current.pid == os.getpid():
-        return _current
-    _current = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed)
-    _current.start()
-    logger.info("celery-orphans: lease of %s (boot %s) started", node, _current.boot)
-    return _current
+    """Take this process's lease if it holds none, and keep it alive from a thread (see ``take``)."""
+    beat = take(node, on_forfeit, on_renewed)
+    beat.start()
+    return beat
 
 
 def stop() -> None:
