@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -32,15 +30,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
-from tests.services import BENCH_DATABASE_URL, RedisServer, ensure_database, provide  # noqa: E402
+from tests.services import provide_with_ledger_apart  # noqa: E402
 
-provide(BENCH_DATABASE_URL)  # the broker's Redis server
-ensure_database(BENCH_DATABASE_URL)
-TMP = Path(tempfile.mkdtemp(prefix="celery-orphans-hygiene-"))
-# The ledger (CELERY_ORPHANS_REDIS_URL, which the test project takes from REDIS_URL) on a server of its own.
-LEDGER_URL = RedisServer(TMP / "ledger").start().url()
-os.environ["CELERY_BROKER_URL"] = os.environ["REDIS_URL"]
-os.environ["REDIS_URL"] = LEDGER_URL
+TMP, LEDGER_URL = provide_with_ledger_apart("hygiene")
 
 from benchmarks.hygiene_app import app  # noqa: E402  (sets Django up)
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,14 +30,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "testproject")]
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
-from tests.services import BENCH_DATABASE_URL, RedisServer, ensure_database, provide  # noqa: E402
+from tests.services import provide_with_ledger_apart  # noqa: E402
 
-provide(BENCH_DATABASE_URL)  # the broker's Redis server
-ensure_database(BENCH_DATABASE_URL)
-TMP = Path(tempfile.mkdtemp(prefix="celery-orphans-redis-cost-"))
-LEDGER_URL = RedisServer(TMP / "ledger").start().url()
-os.environ["CELERY_BROKER_URL"] = os.environ["REDIS_URL"]
-os.environ["REDIS_URL"] = LEDGER_URL
+TMP, LEDGER_URL = provide_with_ledger_apart("redis-cost")
 os.environ["CELERY_ORPHANS_ENABLED"] = "true"
 
 import django  # noqa: E402

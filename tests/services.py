@@ -154,6 +154,19 @@ def provide(database_url: str, *, redis_url: str | None = None) -> None:
     os.environ.update({OWNER: str(os.getpid()), "REDIS_URL": redis_url, "DATABASE_URL": database_url})
 
 
+def provide_with_ledger_apart(name: str) -> tuple[Path, str]:
+    """``provide`` for a benchmark that watches the ledger alone: the broker on the run's Redis, the ledger
+    (``REDIS_URL``, as the test project reads it) on a server of its own. Returns the run's temporary
+    directory and the ledger's URL."""
+    provide(BENCH_DATABASE_URL)
+    ensure_database(BENCH_DATABASE_URL)
+    tmp = Path(tempfile.mkdtemp(prefix=f"celery-orphans-{name}-"))
+    ledger_url = RedisServer(tmp / "ledger").start().url()
+    os.environ["CELERY_BROKER_URL"] = os.environ["REDIS_URL"]
+    os.environ["REDIS_URL"] = ledger_url
+    return tmp, ledger_url
+
+
 def provide_for_tests() -> None:
     """``provide`` for the test suite: ``TEST_REDIS_URL`` and ``TEST_DATABASE_URL`` (see the module)."""
     provide(
