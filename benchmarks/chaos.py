@@ -575,8 +575,14 @@ def run(
         next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
         next_pause = time.monotonic() + pause_every * rng.uniform(0.8, 1.2) if pause_every else float("inf")
         while True:
-            done = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").count()
-            if done == tasks or time.monotonic() > deadline:
+            ended = Counter(
+                TaskResult.objects.filter(task_id__in=ids, status__in=("SUCCESS", "FAILURE")).values_list(
+                    "status", flat=True
+                )
+            )
+            done = ended["SUCCESS"]
+            # FAILURE: marked terminal (the task itself never fails), so it will not run again.
+            if ended.total() == tasks or time.monotonic() > deadline:
                 break
             if time.monotonic() >= next_kill and fleet.live():
                 fleet.kill_one(rng)
