@@ -64,20 +64,48 @@ class RedisServer:
     """A ``redis-server`` of the caller's own, on a free port, that the caller may stop and start at will.
 
     A ``persistent`` one writes every command to its append-only file, so a SIGKILL and a start lose
-    nothing. It dies with the process (the thread, strictly) that started it.
+    nothing. A ``tls`` one is reached only over TLS (``rediss://``), with a certificate of its own that
+    its URL tells clients to verify. It dies with the process (the thread, strictly) that started it.
     """
 
-    def __init__(self, directory: Path, password: str | None = None, *, persistent: bool = False) -> None:
+    def __init__(
+        self, directory: Path, password: str | None = None, *, persistent: bool = False, tls: bool = False
+    ) -> None:
         self.directory = directory
         self.password = password
         self.persistent = persistent
+        self.tls = tls
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     def url(self, db: int = 0, password: str | None = None) -> str:
         secret = self.password if password is None else password
         auth = f":{secret}@" if secret else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/{db}?ssl_cert_reqs=required&ssl_ca_certs={self.certificate}"
         return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+
+    @property
+    def certificate(self) -> Path:
+        return self.directory / "redis.crt"
+
+    def _tls_arguments(self) -> list[str]:
+        """Make a self-signed certificate for 127.0.0.1; the server's arguments to serve TLS alone."""
+        key = self.directory / "redis.key"
+        subprocess.run(
+            [
+                "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                "-keyout", str(key), "-out", str(self.certificate),
+            ],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        return [
+            "--port", "0", "--tls-port", str(self.port),
+            "--tls-cert-file", str(self.certificate), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(self.certificate), "--tls-auth-clients", "no",
+        ]  # fmt: skip
 
     def client(self) -> redis.Redis[bytes]:
         return redis.Redis.from_url(self.url(), socket_timeout=1)
@@ -91,7 +119,7 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         command = [
             binary,
-            "--port", str(self.port),
+            *(self._tls_arguments() if self.tls else ["--port", str(self.port)]),
             "--bind", "127.0.0.1",
             "--save", "",
             "--dir", str(self.directory),
