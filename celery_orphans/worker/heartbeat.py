@@ -47,6 +47,7 @@ class Heartbeat:
         self.boot = boot or uuid.uuid4().hex
         self.pid = os.getpid()
         self.process = processes.this()
+        self.machine = self.process.machine if self.process else None
         self.keys = Keys.current()
         self._tokens = itertools.count()
         self.interval = settings.HEARTBEAT_SECONDS
@@ -98,11 +99,11 @@ class Heartbeat:
         if self.valid_until and begun >= self.valid_until:
             self.forfeit("its lease was not renewed in time")
         try:
-            seen = self._write(first=not self.valid_until)
+            seen = self._write(first=not self.valid_until, watching=watching)
             if seen is None:
                 self.forfeit("its lease is gone from Redis")
                 begun = time.monotonic()
-                seen = self._write(first=True)
+                seen = self._write(first=True, watching=watching)
         except redis.RedisError as exc:
             if not self._failing:
                 logger.warning("celery-orphans: cannot renew the lease of %s: %s", self.node, exc)
@@ -116,15 +117,16 @@ class Heartbeat:
         # Redis set the expiry once it had the command, so no sooner than this.
         self.valid_until = begun + self.lease_seconds - self.margin
         fence.publish(self.generation, self.valid_until)
-        if watching and self.on_renewed is not None and (seen.lapsed or seen.neighbours):
+        if self.on_renewed is not None and (seen.lapsed or seen.neighbours):
             try:
                 self.on_renewed(seen)
             except Exception:
                 logger.exception("celery-orphans: the watch of %s failed", self.node)
         return True
 
-    def _write(self, *, first: bool) -> leases.Seen | None:
-        """Write the lease; what the renewal saw of other boots, or ``None`` if the lease was not written."""
+    def _write(self, *, first: bool, watching: bool = True) -> leases.Seen | None:
+        """Write the lease; what the renewal saw of other boots (nothing unless ``watching``), or ``None``
+        if the lease was not written."""
         process = self.process
         value = json.dumps(
             {
@@ -132,16 +134,17 @@ class Heartbeat:
                 "boot": self.boot,
                 "pid": self.pid,
                 "host": HOST,
-                "machine": process.machine if process else None,
+                "machine": self.machine,
                 "process": str(process) if process else None,
                 "renewed_at": time.time(),
             }
         )
-        machine = self.keys.machine(process.machine) if process else self.keys.watch
+        # Without a process to record, the script leaves its fourth key alone: any key of ours will do.
+        machine = self.keys.machine(self.machine) if self.machine else self.keys.watch
         keys = [self.lease_key, self.keys.boots(self.node), self.keys.watch, machine]
         member = leases.member(self.node, self.boot)
         lease_ms = int(self.lease_seconds * 1000)
-        limit = WATCH_LIMIT if self.on_renewed is not None else 0
+        limit = WATCH_LIMIT if watching and self.on_renewed is not None else 0
         renew = client().register_script(scripts.RENEW)
         reply = renew(
             keys=keys,
@@ -149,7 +152,7 @@ class Heartbeat:
         )
         if not reply[0]:
             return None
-        return leases.Seen.from_reply(reply, process.machine if process else None, (self.node, self.boot))
+        return leases.Seen.from_reply(reply, self.machine, (self.node, self.boot))
 
     def forfeit(self, why: str) -> None:
         """Give up every execution of this boot, and start a new boot with a lease of its own."""
@@ -174,7 +177,7 @@ class Heartbeat:
             logger.warning("celery-orphans: cannot drop the old lease of %s: %s", self.node, exc)
 
     def _drop(self, boot: str) -> None:
-        leases.drop(self.node, boot, self.process.machine if self.process else None)
+        leases.drop(self.node, boot, self.machine)
 
     def _run(self) -> None:
         while not self._stop.wait(self._until_next()):
