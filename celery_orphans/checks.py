@@ -248,7 +248,7 @@ def _stall_errors(stall: float, inspect_timeout: float) -> list[checks.CheckMess
             "E009",
             f"CELERY_ORPHANS_SWEEP_STALL_SECONDS ({stall:g}) is not above "
             f"CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS ({inspect_timeout:g}): a sweep waits for the workers' "
-            "replies inside its transaction, which PostgreSQL would end whenever a worker is silent.",
+            "replies inside its transaction, which the database would end whenever a worker is silent.",
             "Keep CELERY_ORPHANS_SWEEP_STALL_SECONDS well above the inspect timeout (60 by default).",
         )
     ]
@@ -286,18 +286,20 @@ def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
 
 
 def check_database(**kwargs: Any) -> list[checks.CheckMessage]:
-    """I001: only PostgreSQL gives the sweep a transaction-level advisory lock."""
+    """I001: only PostgreSQL and MySQL/MariaDB hold the sweep lock in the database itself."""
     from django.db import connections
 
-    from celery_orphans.sweep.lock import uses_advisory_lock
+    from celery_orphans.sweep.lock import lock_kind
 
-    if uses_advisory_lock():
+    if lock_kind() != "redis":
         return []
     return [
         _message(
             "I001",
-            f"The default database is {connections['default'].vendor}, not PostgreSQL: the sweep lock "
-            "falls back to a Redis lock with an expiry; a sweep that outlives it may overlap the next one.",
-            "Nothing to do if that suits you; a PostgreSQL default database gives an advisory lock instead.",
+            f"The default database is {connections['default'].vendor}, not PostgreSQL or MySQL/MariaDB: the "
+            "sweep lock falls back to a Redis lock with an expiry; a sweep that outlives it may overlap the "
+            "next one.",
+            "Nothing to do if that suits you; a PostgreSQL or MySQL/MariaDB default database holds the lock "
+            "itself instead.",
         )
     ]

@@ -50,6 +50,8 @@ def database_url() -> str:
     auth = quote(s["USER"] or "")
     if s["PASSWORD"]:
         auth += ":" + quote(s["PASSWORD"])
+    if s["ENGINE"].endswith("mysql"):
+        return f"mysql://{auth}@{s['HOST'] or 'localhost'}{':' + str(s['PORT']) if s['PORT'] else ''}/{s['NAME']}"
     return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 

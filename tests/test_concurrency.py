@@ -38,7 +38,7 @@ from celery_orphans.tasks import reconcile
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
 from tests.helpers import ROOT, database_url, wait_for
-from tests.test_locks import advisory_locks_held, postgres_only
+from tests.test_locks import database_lock_only, database_locks_held
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -148,7 +148,7 @@ def test_concurrent_sweeps_recover_each_orphan_exactly_once(
 
 
 def unlocked() -> Any:
-    # As if the lock had failed (the Redis lock used off PostgreSQL expires after
+    # As if the lock had failed (the Redis lock used on SQLite expires after
     # locks.REDIS_LOCK_SECONDS under a slow sweep): each sweep still runs in a transaction of its own.
     return transaction.atomic()
 
@@ -203,7 +203,7 @@ def test_a_sweep_that_looks_between_anothers_claim_and_commit_does_not_send_the_
 # --- a lock holder that dies -----------------------------------------------------------------------
 
 
-@postgres_only
+@database_lock_only
 def test_lock_held_by_a_sweep_process_that_is_killed_mid_sweep_is_released(
     orphans: list[str], redis_client: Any, settings: Any
 ) -> None:
@@ -228,7 +228,7 @@ def test_lock_held_by_a_sweep_process_that_is_killed_mid_sweep_is_released(
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(advisory_locks_held, 90, "the holder to take the lock")
+        wait_for(database_locks_held, 90, "the holder to take the lock")
         with pytest.raises(SweepLocked):
             sweep.run(sweep.Options(trigger=Trigger.BEAT))
         holder.send_signal(signal.SIGKILL)
@@ -237,7 +237,7 @@ def test_lock_held_by_a_sweep_process_that_is_killed_mid_sweep_is_released(
         if holder.poll() is None:
             holder.kill()
 
-    wait_for(lambda: not advisory_locks_held(), 30, "PostgreSQL to release the dead holder's lock")
+    wait_for(lambda: not database_locks_held(), 30, "the database to release the dead holder's lock")
     report = sweep.run(sweep.Options(trigger=Trigger.BEAT))
 
     assert report.count(Action.RECOVER, done_only=True) == ORPHANS

@@ -1,4 +1,5 @@
-"""One sweep at a time: the PostgreSQL advisory lock, and the Redis lock used elsewhere."""
+"""One sweep at a time: the PostgreSQL advisory lock, the MySQL/MariaDB named lock, and the Redis lock used
+elsewhere. The database's own locks are tested on whichever of the two the run uses (TEST_DATABASE_URL)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 from celery_orphans.exceptions import SweepLocked
 from celery_orphans.store import Keys
 from celery_orphans.sweep import lock as locks
-from celery_orphans.sweep.lock import ADVISORY_LOCK_ID, sweep_lock
-from tests.helpers import wait_for
+from celery_orphans.sweep.lock import ADVISORY_LOCK_ID, named_lock, sweep_lock
+from tests.helpers import ROOT, database_url, wait_for
 
 postgres_only = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="the advisory lock exists only on PostgreSQL"
+)
+mysql_only = pytest.mark.skipif(connection.vendor != "mysql", reason="the named lock is MySQL's and MariaDB's")
+database_lock_only = pytest.mark.skipif(
+    connection.vendor not in {"postgresql", "mysql"}, reason="only PostgreSQL and MySQL/MariaDB hold the lock"
 )
 
 
@@ -65,9 +70,13 @@ def hold_and_fail(free_while_held: list[bool]) -> None:
         raise ZeroDivisionError("the sweep failed part way")
 
 
-def advisory_locks_held() -> int:
-    """How many sessions hold the sweep's advisory lock in this database."""
+def database_locks_held() -> int:
+    """How many sessions hold the sweep's lock in this database (PostgreSQL's advisory lock, or the MySQL
+    named lock)."""
     with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            cursor.execute("SELECT IS_USED_LOCK(%s) IS NOT NULL", [named_lock(connection)])
+            return int(cursor.fetchone()[0])
         cursor.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
             " AND (classid::bigint << 32) + objid::bigint = %s"
@@ -108,7 +117,7 @@ def held_in_thread() -> Iterator[threading.Event]:
     assert not errors, errors
 
 
-@postgres_only
+@database_lock_only
 @pytest.mark.django_db(transaction=True)
 def test_second_sweep_lock_is_refused_at_once_while_the_first_is_held():
     with held_in_thread() as left:
@@ -120,18 +129,18 @@ def test_second_sweep_lock_is_refused_at_once_while_the_first_is_held():
     assert lock_is_free_elsewhere()
 
 
-@postgres_only
+@database_lock_only
 @pytest.mark.django_db(transaction=True)
 def test_lock_is_released_when_the_holders_block_ends():
     with sweep_lock():
-        assert advisory_locks_held() == 1
+        assert database_locks_held() == 1
         assert not lock_is_free_elsewhere()
 
-    assert advisory_locks_held() == 0
+    assert database_locks_held() == 0
     assert lock_is_free_elsewhere()
 
 
-@postgres_only
+@database_lock_only
 @pytest.mark.django_db(transaction=True)
 def test_lock_is_released_when_the_holder_raises():
     free_while_held = []
@@ -155,42 +164,39 @@ def test_lock_taken_inside_an_outer_transaction_lasts_until_that_transaction_end
     assert lock_is_free_elsewhere()
 
 
-@postgres_only
+@database_lock_only
 @pytest.mark.django_db(transaction=True)
 def test_lock_becomes_free_when_the_process_holding_it_is_killed():
-    from psycopg.conninfo import make_conninfo
-
-    s = connection.settings_dict
-    conninfo = make_conninfo(
-        dbname=s["NAME"],
-        user=s["USER"] or None,
-        password=s["PASSWORD"] or None,
-        host=s["HOST"] or None,
-        port=s["PORT"] or None,
-    )
     holder_code = (
-        "import os, sys, time, psycopg\n"
-        "conn = psycopg.connect(os.environ['HOLDER_CONNINFO'])\n"
-        "with conn.transaction():\n"
-        f"    conn.execute('SELECT pg_advisory_xact_lock({ADVISORY_LOCK_ID})')\n"
+        "import time, django\n"
+        "django.setup()\n"
+        "from celery_orphans.sweep.lock import sweep_lock\n"
+        "with sweep_lock():\n"
         "    print('held', flush=True)\n"
         "    time.sleep(120)\n"
     )
     holder = subprocess.Popen(
         [sys.executable, "-c", holder_code],
-        env={**os.environ, "HOLDER_CONNINFO": conninfo},
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "testproject.test_settings",
+            "DATABASE_URL": database_url(),
+            "PYTHONPATH": f"{ROOT}:{ROOT / 'testproject'}",
+        },
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "held"
+        assert database_locks_held() == 1
         assert not lock_is_free_elsewhere()
 
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)
 
-        # PostgreSQL ends the dead client's session, and its transaction with it, when the socket closes.
+        # The server ends the dead client's session, and the lock with it, when the socket closes.
         wait_for(lock_is_free_elsewhere, 20, "the killed holder's lock to be released", interval=0.1)
     finally:
         if holder.poll() is None:
@@ -230,7 +236,59 @@ def test_a_callers_transaction_keeps_its_own_timeouts(settings):
         assert timeouts() == ("0", "0")
 
 
-@postgres_only
+def session_timeouts() -> tuple[int, int]:
+    """This MySQL session's ``wait_timeout`` and ``innodb_lock_wait_timeout``."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@SESSION.wait_timeout, @@SESSION.innodb_lock_wait_timeout")
+        wait, lock = cursor.fetchone()
+    return int(wait), int(lock)
+
+
+@mysql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_sweeps_own_transaction_bounds_its_mysql_session_and_puts_it_back_after(settings):
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 1.5
+    before = session_timeouts()
+
+    with sweep_lock():
+        assert session_timeouts() == (2, 2)  # whole seconds, rounded up
+
+    assert session_timeouts() == before
+    assert before != (2, 2)
+
+
+@mysql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_callers_transaction_keeps_its_mysql_session_timeouts(settings):
+    settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 1.5
+    before = session_timeouts()
+
+    with transaction.atomic(), sweep_lock():
+        assert session_timeouts() == before
+
+
+@mysql_only
+@pytest.mark.django_db(transaction=True)
+def test_the_mysql_lock_is_let_go_only_after_the_sweeps_transaction_commits(monkeypatch):
+    from django_celery_results.models import TaskResult
+
+    seen_by_next: list[bool] = []
+    original_release = locks._release_named_lock
+
+    def release_after_looking(cursor: object, name: str) -> None:
+        # What the next sweep finds once it can take the lock: everything this one committed.
+        seen_by_next.append(bool(in_thread(lambda: TaskResult.objects.filter(task_id="committed").exists())))
+        original_release(cursor, name)
+
+    monkeypatch.setattr(locks, "_release_named_lock", release_after_looking)
+    with sweep_lock():
+        TaskResult.objects.create(task_id="committed", status="STARTED")
+
+    assert seen_by_next == [True]
+    assert database_locks_held() == 0
+
+
+@database_lock_only
 @pytest.mark.django_db(transaction=True)
 def test_a_sweep_that_hangs_inside_its_transaction_loses_the_lock_to_the_next(settings):
     settings.CELERY_ORPHANS_SWEEP_STALL_SECONDS = 0.5
@@ -261,7 +319,7 @@ def test_a_sweep_that_hangs_inside_its_transaction_loses_the_lock_to_the_next(se
     assert len(errors) == 1 and isinstance(errors[0], DatabaseError), errors
 
 
-@postgres_only
+@database_lock_only
 @pytest.mark.django_db(transaction=True)
 def test_a_sweep_gives_up_a_row_lock_another_transaction_keeps(settings):
     from django_celery_results.models import TaskResult
@@ -280,7 +338,8 @@ def test_a_sweep_gives_up_a_row_lock_another_transaction_keeps(settings):
     thread.start()
     try:
         assert locked.wait(timeout=10)
-        with pytest.raises(OperationalError, match="lock timeout"), sweep_lock():
+        # PostgreSQL: "canceling statement due to lock timeout"; MySQL: "Lock wait timeout exceeded".
+        with pytest.raises(OperationalError, match="(?i)lock (wait )?timeout"), sweep_lock():
             TaskResult.objects.filter(pk=row.pk).update(status="FAILURE")
     finally:
         release.set()
@@ -292,7 +351,7 @@ def test_a_sweep_gives_up_a_row_lock_another_transaction_keeps(settings):
 @pytest.fixture
 def redis_lock(monkeypatch, redis_client):
     """Take the Redis path, as on a database without advisory locks."""
-    monkeypatch.setattr(locks, "uses_advisory_lock", lambda using="default": False)
+    monkeypatch.setattr(locks, "lock_kind", lambda using="default": "redis")
     return Keys.current().lock
 
 
@@ -326,8 +385,8 @@ def test_redis_lock_is_released_when_the_holder_raises(redis_lock, redis_client)
     assert lock_is_free_elsewhere()
 
 
-@postgres_only
+@database_lock_only
 @pytest.mark.django_db(transaction=True)
-def test_redis_lock_does_not_touch_the_advisory_lock(redis_lock):
+def test_redis_lock_does_not_touch_the_database_lock(redis_lock):
     with sweep_lock():
-        assert advisory_locks_held() == 0
+        assert database_locks_held() == 0

@@ -67,6 +67,17 @@ def _database(url: str) -> dict[str, object]:
             "HOST": parts.hostname or "",
             "PORT": str(parts.port or ""),
         }
+    if parts.scheme in {"mysql", "mariadb"}:
+        # mysql://root@localhost/name reaches a local server through its socket (mysqlclient's rule).
+        return {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": unquote(parts.path[1:]),
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(parts.port or ""),
+            "OPTIONS": {"charset": "utf8mb4"},
+        }
     raise ValueError(f"DATABASE_URL scheme {parts.scheme!r} is not supported by the test project")
 
 
