@@ -16,6 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from celery_orphans.conf import settings
 from celery_orphans.recommended import DEFAULT_VISIBILITY_TIMEOUT, recommended_celery_settings
 from celery_orphans.registry import load_tasks, recoverable_tasks
+from celery_orphans.store import SentinelTarget
 
 TAG = "celery_orphans"
 
@@ -216,12 +217,22 @@ def _setting_errors() -> dict[str, checks.CheckMessage]:
 
 
 def _redis_url_errors() -> list[checks.CheckMessage]:
-    """E006: without a Redis broker, celery-orphans needs a Redis URL of its own."""
+    """E006: without a Redis broker, celery-orphans needs a Redis URL of its own; a sentinel:// one needs
+    its sentinels' addresses and its master's name."""
+    hint = "Set CELERY_ORPHANS_REDIS_URL (Django setting or environment variable) to a redis:// URL."
     try:
-        settings.redis_url()
+        url = settings.redis_url()
+        if url.startswith("sentinel://"):
+            hint = (
+                "Write it as sentinel://[:password@]host:port[/db];sentinel://host:port... and set "
+                "CELERY_ORPHANS_REDIS_SENTINEL_MASTER."
+            )
+            SentinelTarget.from_url(url)
+            settings.sentinel_master()
     except ImproperlyConfigured as exc:
-        hint = "Set CELERY_ORPHANS_REDIS_URL (Django setting or environment variable) to a redis:// URL."
         return [_message("E006", str(exc), hint)]
+    except ValueError as exc:  # the URL is not shown: it may hold a password
+        return [_message("E006", f"CELERY_ORPHANS_REDIS_URL is not a valid sentinel URL: {exc}.", hint)]
     return []
 
 

@@ -19,6 +19,8 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 
 PREFIX = "CELERY_ORPHANS_"
+# URL schemes of a Redis or Valkey the ledger can use; sentinel:// lists the sentinels of one master.
+REDIS_SCHEMES = frozenset({"redis", "rediss", "valkey", "valkeys", "sentinel"})
 T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -161,7 +163,15 @@ class Settings:
         "REDIS_URL",
         _optional_str,
         None,
-        "Redis/Valkey for the ledger, leases and counters; defaults to a redis:// broker URL.",
+        "Redis/Valkey for the ledger, leases and counters (redis://, rediss:// or sentinel://); defaults "
+        "to a Redis broker URL.",
+    )
+    REDIS_SENTINEL_MASTER = Setting(
+        "REDIS_SENTINEL_MASTER",
+        _optional_str,
+        None,
+        "The master's name the sentinels of a sentinel:// REDIS_URL watch; defaults to the broker's "
+        "transport option master_name.",
     )
     GROUPS: Setting[dict[str, bool]] = Setting(
         "GROUPS", _groups, {}, "Per-group switches; a group not listed is on."
@@ -186,8 +196,9 @@ class Settings:
         "SWEEP_STALL_SECONDS",
         positive_float,
         60.0,
-        "On PostgreSQL, how long a sweep may wait for a row lock, or leave its transaction idle, before "
-        "PostgreSQL gives up the wait or ends the transaction and with it the sweep lock.",
+        "On PostgreSQL and MySQL/MariaDB, how long a sweep may wait for a row lock, or leave its "
+        "transaction idle, before the database gives up the wait or ends the transaction and with it the "
+        "sweep lock.",
     )
     BOOT_SWEEP = Setting(
         "BOOT_SWEEP",
@@ -243,12 +254,22 @@ class Settings:
         if url:
             return url
         broker = _celery_broker_url()
-        if broker and broker.split("://", 1)[0] in {"redis", "rediss", "valkey", "valkeys"}:
+        if broker and broker.split("://", 1)[0] in REDIS_SCHEMES:
             return broker
         raise ImproperlyConfigured(
             f"{PREFIX}REDIS_URL is not set and the Celery broker is not Redis; "
             "celery-orphans needs Redis or Valkey for its ledger, leases and counters."
         )
+
+    def sentinel_master(self) -> str:
+        """The master's name for a ``sentinel://`` Redis URL: the setting, else the broker's own."""
+        name = self.REDIS_SENTINEL_MASTER or _celery_transport_option("master_name")
+        if not name:
+            raise ImproperlyConfigured(
+                f"{PREFIX}REDIS_URL is a sentinel:// URL but no master name is set: set "
+                f"{PREFIX}REDIS_SENTINEL_MASTER (or the broker's transport option master_name)."
+            )
+        return str(name)
 
 
 def _celery_broker_url() -> str | None:
@@ -256,9 +277,20 @@ def _celery_broker_url() -> str | None:
 
     url = current_app.conf.broker_url
     if isinstance(url, (list, tuple)):
-        url = url[0] if url else None
+        url = ";".join(url)
+    if not url:
+        return None
+    url = str(url).strip()
+    if url.startswith("sentinel://"):
+        return url  # every sentinel of the list
     # kombu accepts a failover list "redis://a;redis://b": the first is the primary.
-    return str(url).split(";", 1)[0].strip() if url else None
+    return url.split(";", 1)[0].strip()
+
+
+def _celery_transport_option(name: str) -> object:
+    from celery import current_app
+
+    return (current_app.conf.broker_transport_options or {}).get(name)
 
 
 settings = Settings()

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from celery_orphans.conf import settings
 
@@ -31,20 +34,62 @@ os.register_at_fork(after_in_child=_forget_parents_lock)
 def client() -> redis.Redis[bytes]:
     """A client for the configured URL, shared per process and URL (redis-py pools are thread-safe)."""
     url = settings.redis_url()
+    master = settings.sentinel_master() if url.startswith("sentinel://") else None
+    key = f"{url}#{master}" if master else url
     with _clients_lock:
-        found = _clients.get(url)
+        found = _clients.get(key)
         if found is None:
-            found = _clients[url] = redis.Redis.from_url(
-                url,
-                client_name="celery-orphans",
-                socket_timeout=5,
-                socket_connect_timeout=5,
-                health_check_interval=30,
-                # A dropped connection (Redis restarted, a proxy closed it) is retried, not fatal.
-                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-                retry_on_error=[ConnectionError, TimeoutError],
-            )
+            found = _clients[key] = _connect(url, master)
         return found
+
+
+def _connect(url: str, master: str | None) -> redis.Redis[bytes]:
+    options: dict[str, Any] = {
+        "client_name": "celery-orphans",
+        "socket_timeout": 5,
+        "socket_connect_timeout": 5,
+        "health_check_interval": 30,
+        # A dropped connection (Redis restarted, a proxy closed it, a failover) is retried, not fatal.
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+        "retry_on_error": [ConnectionError, TimeoutError],
+    }
+    if master is None:
+        return redis.Redis.from_url(url, **options)
+    target = SentinelTarget.from_url(url)
+    sentinel = Sentinel(target.sentinels, sentinel_kwargs={"socket_timeout": 1, "socket_connect_timeout": 1})
+    # Each new connection asks the sentinels where the master is; one to a master demoted by a failover
+    # fails (READONLY) and is retried on the new one.
+    return sentinel.master_for(
+        master, db=target.db, username=target.username, password=target.password, **options
+    )
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a ``sentinel://`` URL names, written as Celery and kombu write it:
+    ``sentinel://[[user]:password@]host:port[/db][;sentinel://host:port...]``. The credentials and the
+    database of the first URL are the master's; each URL adds a sentinel."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    db: int
+    username: str | None
+    password: str | None
+
+    @classmethod
+    def from_url(cls, url: str) -> SentinelTarget:
+        parts = [urlsplit(one.strip()) for one in url.split(";") if one.strip()]
+        if not parts or any(part.scheme != "sentinel" or not part.hostname for part in parts):
+            raise ValueError("a sentinel URL lists sentinel://host:port addresses separated by ';'")
+        first = parts[0]
+        path = first.path.strip("/")
+        if path and not path.isdigit():
+            raise ValueError(f"the database of a sentinel URL is a number, got {path!r}")
+        return cls(
+            sentinels=tuple((str(part.hostname), part.port or 26379) for part in parts),
+            db=int(path or 0),
+            username=unquote(first.username) if first.username else None,
+            password=unquote(first.password) if first.password else None,
+        )
 
 
 @dataclass(frozen=True)

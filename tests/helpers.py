@@ -51,7 +51,8 @@ def database_url() -> str:
     if s["PASSWORD"]:
         auth += ":" + quote(s["PASSWORD"])
     if s["ENGINE"].endswith("mysql"):
-        return f"mysql://{auth}@{s['HOST'] or 'localhost'}{':' + str(s['PORT']) if s['PORT'] else ''}/{s['NAME']}"
+        port = f":{s['PORT']}" if s["PORT"] else ""
+        return f"mysql://{auth}@{s['HOST'] or 'localhost'}{port}/{s['NAME']}"
     return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 

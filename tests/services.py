@@ -110,6 +110,16 @@ class RedisServer:
     def client(self) -> redis.Redis[bytes]:
         return redis.Redis.from_url(self.url(), socket_timeout=1)
 
+    def replicate(self, master: RedisServer, timeout: float = 10) -> RedisServer:
+        """Make this server a replica of ``master`` and wait until it holds the master's data."""
+        self.client().replicaof("127.0.0.1", master.port)
+        deadline = time.monotonic() + timeout
+        while self.client().info("replication").get("master_link_status") != "up":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not catch up with {master.port}")
+            time.sleep(0.05)
+        return self
+
     def start(self, timeout: float = 10) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -145,6 +155,62 @@ class RedisServer:
                 return bool(conn.ping())
         except redis.ConnectionError:
             return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+
+class RedisSentinel:
+    """A ``redis-server --sentinel`` of the caller's own, watching one master under ``name``: it fails that
+    master over to a replica a second after the master stops answering. It dies with its starter."""
+
+    def __init__(self, directory: Path, master: RedisServer, name: str = "orphans") -> None:
+        self.directory = directory
+        self.master = master
+        self.name = name
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int = 0) -> str:
+        return f"sentinel://127.0.0.1:{self.port}/{db}"
+
+    def client(self) -> redis.Redis[bytes]:
+        return redis.Redis(port=self.port, socket_timeout=1, decode_responses=False)
+
+    def master_port(self) -> int:
+        """The port of the master the sentinel names now."""
+        _host, port = self.client().sentinel_get_master_addr_by_name(self.name)
+        return int(port)
+
+    def start(self, timeout: float = 10) -> RedisSentinel:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        config = self.directory / "sentinel.conf"  # a sentinel rewrites its file: it must be its own
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
+            f"sentinel monitor {self.name} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.name} 1000\n"
+            f"sentinel failover-timeout {self.name} 5000\n"
+        )
+        with open(self.directory / "sentinel.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [str(shutil.which("redis-server")), str(config), "--sentinel"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.master_port() == self.master.port:
+                    return self
+            except redis.RedisError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis sentinel on port {self.port} did not start; see {self.directory}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -9,7 +9,10 @@
 #   - PostgreSQL (127.0.0.1:5432) and RabbitMQ (127.0.0.1:5672) answer, starting whichever does not and
 #     waiting (bounded) until it does, and redis-server is installed. The tests and the demo run a Redis
 #     server of their own and use a database and a RabbitMQ vhost of their own on those servers
-#     (tests/services.py); a server named by TEST_DATABASE_URL or TEST_AMQP_URL is not checked here.
+#     (tests/services.py); a server named by TEST_DATABASE_URL or TEST_AMQP_URL is not checked here;
+#   - with TEST_DATABASE_URL=mysql://... (MySQL or MariaDB), mysqlclient is in the virtualenv (built
+#     against libmariadb-dev, which is installed with apt-get when missing and this runs as root), and a
+#     local MariaDB answers when the URL names localhost.
 # Afterwards $VENV/bin is first on PATH. Every step prints one short line.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -74,6 +77,31 @@ start_postgresql() {
 
 start_rabbitmq() { rabbitmq-server -detached; }
 
+mariadb_up() { mariadb-admin ping; }
+
+start_mariadb() { start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd; }
+
+wants_mysql() { case "${TEST_DATABASE_URL:-}" in mysql://* | mariadb://*) return 0 ;; *) return 1 ;; esac; }
+
+# mysqlclient compiles against the MariaDB (or MySQL) client library, which pkg-config must find.
+setup_mysqlclient() {
+    "$VENV/bin/python" -c 'import MySQLdb' >/dev/null 2>&1 && return 0
+    if ! pkg-config --exists libmariadb 2>/dev/null && ! pkg-config --exists mysqlclient 2>/dev/null; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            say "installing libmariadb-dev and pkg-config with apt-get (mysqlclient builds against them)"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q libmariadb-dev pkg-config >/dev/null 2>&1 \
+                || die "apt-get install libmariadb-dev pkg-config failed"
+        else
+            die "mysqlclient needs the MariaDB client library: apt install libmariadb-dev pkg-config"
+        fi
+    fi
+    say "venv: installing mysqlclient"
+    local log
+    log="$(mktemp)"
+    "$VENV/bin/python" -m pip install -q mysqlclient >"$log" 2>&1 || { quiet_pip_output "$log"; die "pip install mysqlclient failed"; }
+    quiet_pip_output "$log"
+}
+
 # ensure_service NAME: leave it alone if it answers, else start it and wait for it.
 ensure_service() {
     local name="$1" started=$SECONDS
@@ -91,11 +119,15 @@ ensure_service() {
 ensure_services() {
     command -v redis-server >/dev/null 2>&1 || die "redis-server is not installed (apt install redis-server)"
     [ -n "${TEST_DATABASE_URL:-}" ] || ensure_service postgresql
+    case "${TEST_DATABASE_URL:-}" in
+        mysql://*@localhost* | mariadb://*@localhost*) ensure_service mariadb ;;
+    esac
     [ -n "${TEST_AMQP_URL:-}" ] || ensure_service rabbitmq
 }
 
 setup_env() {
     setup_venv
+    if wants_mysql; then setup_mysqlclient; fi
     ensure_services
     export VIRTUAL_ENV="$VENV"
     export PATH="$VENV/bin:$PATH"

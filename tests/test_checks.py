@@ -253,6 +253,31 @@ def test_e006_redis_url_missing_without_a_redis_broker(celery_conf: SetConf, no_
     assert "CELERY_ORPHANS_REDIS_URL" in message.hint
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sentinel://127.0.0.1:26379/0", "no master name is set"),
+        ("sentinel://:pw-s3cret@127.0.0.1:26379/x", "not a valid sentinel URL: the database of a sentinel"),
+    ],
+)
+def test_e006_a_sentinel_url_needs_its_master_name_and_a_valid_form(
+    celery_conf: SetConf, settings: Any, url: str, message: str
+) -> None:
+    celery_conf(broker_url=AMQP, broker_transport_options={})
+    settings.CELERY_ORPHANS_REDIS_URL = url
+    found = only(run(), "celery_orphans.E006")
+    assert message in found.msg
+    assert "pw-s3cret" not in found.msg
+    assert found.hint is not None and "CELERY_ORPHANS_REDIS_SENTINEL_MASTER" in found.hint
+
+
+def test_e006_quiet_for_a_sentinel_url_with_its_master(celery_conf: SetConf, settings: Any) -> None:
+    celery_conf(broker_url=AMQP)
+    settings.CELERY_ORPHANS_REDIS_URL = "sentinel://127.0.0.1:26379/0"
+    settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
+    assert run() == []
+
+
 def test_e006_quiet_when_the_broker_is_redis(celery_conf: SetConf, no_redis_url: None) -> None:
     celery_conf(broker_url="rediss://127.0.0.1:6379/0")
     assert run() == []

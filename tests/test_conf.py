@@ -197,6 +197,8 @@ def test_redis_url_setting_is_used_first(clean: Settings, set_broker: SetBroker)
         ("redis://broker:6379/0", "redis://broker:6379/0"),
         ("rediss://:secret@broker:6380/1", "rediss://:secret@broker:6380/1"),
         (["redis://first:6379/0", "redis://second:6379/0"], "redis://first:6379/0"),
+        ("sentinel://a:26379/1;sentinel://b:26379/1", "sentinel://a:26379/1;sentinel://b:26379/1"),
+        (["sentinel://a:26379", "sentinel://b:26379"], "sentinel://a:26379;sentinel://b:26379"),
     ],
 )
 def test_redis_url_falls_back_to_a_redis_broker(
@@ -213,6 +215,24 @@ def test_redis_url_missing_without_a_redis_broker(
     set_broker(broker)
     with pytest.raises(ImproperlyConfigured, match="CELERY_ORPHANS_REDIS_URL is not set"):
         settings.redis_url()
+
+
+def test_the_sentinel_master_is_the_setting_else_the_brokers_transport_option(
+    clean: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patch_setting(monkeypatch, app.conf, "broker_transport_options", {"master_name": "from-broker"})
+    assert settings.sentinel_master() == "from-broker"
+
+    clean.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "mine"
+    assert settings.sentinel_master() == "mine"
+
+
+def test_a_sentinel_url_without_a_master_name_is_refused(
+    clean: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patch_setting(monkeypatch, app.conf, "broker_transport_options", {})
+    with pytest.raises(ImproperlyConfigured, match="CELERY_ORPHANS_REDIS_SENTINEL_MASTER"):
+        settings.sentinel_master()
 
 
 def test_nothing_is_written_into_django_settings(clean: Settings, set_broker: SetBroker) -> None:

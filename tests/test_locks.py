@@ -23,7 +23,9 @@ from tests.helpers import ROOT, database_url, wait_for
 postgres_only = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="the advisory lock exists only on PostgreSQL"
 )
-mysql_only = pytest.mark.skipif(connection.vendor != "mysql", reason="the named lock is MySQL's and MariaDB's")
+mysql_only = pytest.mark.skipif(
+    connection.vendor != "mysql", reason="the named lock is MySQL's and MariaDB's"
+)
 database_lock_only = pytest.mark.skipif(
     connection.vendor not in {"postgresql", "mysql"}, reason="only PostgreSQL and MySQL/MariaDB hold the lock"
 )
@@ -339,7 +341,7 @@ def test_a_sweep_gives_up_a_row_lock_another_transaction_keeps(settings):
     try:
         assert locked.wait(timeout=10)
         # PostgreSQL: "canceling statement due to lock timeout"; MySQL: "Lock wait timeout exceeded".
-        with pytest.raises(OperationalError, match="(?i)lock (wait )?timeout"), sweep_lock():
+        with pytest.raises(OperationalError, match=r"(?i)lock (wait )?timeout"), sweep_lock():
             TaskResult.objects.filter(pk=row.pk).update(status="FAILURE")
     finally:
         release.set()

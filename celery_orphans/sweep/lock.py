@@ -41,7 +41,7 @@ def lock_kind(using: str = "default") -> str:
 
 
 def named_lock(connection: BaseDatabaseWrapper) -> str:
-    """The MySQL lock's name: a named lock is the server's, so it names the database (64 characters at most)."""
+    """The MySQL lock's name: a named lock is the server's, so the name tells databases apart."""
     return f"celery_orphans.reconcile.{zlib.crc32(str(connection.settings_dict['NAME']).encode()):08x}"
 
 

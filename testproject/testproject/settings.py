@@ -98,7 +98,9 @@ for _name, _value in recommended_celery_settings(
     globals()[f"CELERY_{_name.upper()}"] = _value
 
 CELERY_ORPHANS_ENABLED = os.environ.get("CELERY_ORPHANS_ENABLED", "true")
-CELERY_ORPHANS_REDIS_URL = REDIS_URL
+# The ledger: on REDIS_URL, unless the environment names one of its own (the settings read it then).
+if "CELERY_ORPHANS_REDIS_URL" not in os.environ:
+    CELERY_ORPHANS_REDIS_URL = REDIS_URL
 
 LOGGING = {
     "version": 1,

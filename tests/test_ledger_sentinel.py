@@ -1,0 +1,91 @@
+"""The ledger's Redis reached through Redis Sentinel (``sentinel://``): its master fails over to a replica
+while a task runs, and the task of a worker killed after that is recovered once, through the new master.
+The broker and the test project's records of runs stay on the run's plain Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import current_app
+
+from celery_orphans.ledger import Ledger
+from celery_orphans.models import OrphanEvent
+from celery_orphans.store import Keys, client
+from tests.helpers import started_on, starts, wait_for
+from tests.services import RedisSentinel, RedisServer
+from tests.workers import OWN_SWEEPS_ON
+
+pytestmark = pytest.mark.worker
+
+
+@dataclass
+class Servers:
+    master: RedisServer
+    replica: RedisServer
+    sentinel: RedisSentinel
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Servers]:
+    """A master, a replica holding its data, and a sentinel watching the master as ``orphans``."""
+    master = RedisServer(tmp_path / "master").start()
+    replica = RedisServer(tmp_path / "replica").start().replicate(master)
+    sentinel = RedisSentinel(tmp_path / "sentinel", master).start()
+    wait_for(
+        lambda: sentinel.client().sentinel_slaves("orphans"),
+        20,
+        "the sentinel to find the replica",
+        interval=0.2,
+    )
+    yield Servers(master, replica, sentinel)
+    for server in (sentinel, replica, master):
+        server.stop()
+
+
+def test_a_ledger_behind_sentinel_survives_a_failover_and_recovers_a_killed_workers_task(
+    workers: Any, servers: Servers, settings: Any, own_clients: None
+) -> None:
+    from demoapp.tasks import summarize
+
+    env = {
+        "CELERY_ORPHANS_REDIS_URL": servers.sentinel.url(),
+        "CELERY_ORPHANS_REDIS_SENTINEL_MASTER": "orphans",
+        # Longer than the failover (about two seconds here), which must not cost any worker its lease.
+        "CELERY_ORPHANS_LEASE_SECONDS": "8",
+        "CELERY_ORPHANS_HEARTBEAT_SECONDS": "0.5",
+    }
+    settings.CELERY_ORPHANS_REDIS_URL = servers.sentinel.url()
+    settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
+    workers.own_sweeps = OWN_SWEEPS_ON
+    doomed = workers.start("doomed-sentinel@test", env=env, queues=("sentinel",))
+    workers.start("watcher-sentinel@test", env=env)
+    result = summarize.apply_async(([2, 3],), {"seconds": 6}, queue="sentinel")
+    started_on(result.id, "doomed-sentinel@test")
+    current_app.control.add_consumer("sentinel", destination=["watcher-sentinel@test"], reply=True, timeout=5)
+    # The entry reached the replica (replication is asynchronous: what did not is lost with the master).
+    entry = Keys.current().entry(result.id)
+    wait_for(lambda: servers.replica.client().exists(entry), 10, "the entry on the replica")
+
+    servers.master.stop()  # the master's machine is lost
+    wait_for(
+        lambda: servers.sentinel.master_port() == servers.replica.port,
+        20,
+        "the sentinel to promote the replica",
+    )
+    assert Ledger(client(), Keys.current()).count() == 1  # this process's client found the new master
+
+    doomed.kill()
+
+    event = wait_for(
+        lambda: OrphanEvent.objects.filter(task_id=result.id).first(), 30, f"{result.id} recovered"
+    )
+    assert (event.action, event.evidence) == ("recovered", "process_exited")
+    assert result.get(timeout=30) == 5
+    assert starts(result.id) == 2
+    # Nothing else was judged orphaned meanwhile: the failover took no lease away.
+    assert OrphanEvent.objects.count() == 1
+    workers.close()  # before their ledger goes
