@@ -2,10 +2,12 @@
 # Run as `bash tests/setup-env.sh` it only makes sure the services answer (tox does that).
 #
 # It makes sure that:
-#   - a virtualenv exists at $VENV (default: .venv in the repository root), made with python3, holding
-#     celery-orphans installed in editable mode with the extras named in $EXTRAS (default: test; CI uses
-#     EXTRAS=test,docs,prometheus). It is created afresh when missing or broken, and reinstalled only when
-#     pyproject.toml is newer than the stamp file in it or $EXTRAS differs from the extras it records;
+#   - a virtualenv exists at $VENV (default: .venv in the repository root), made with $PYTHON (default:
+#     python3), holding celery-orphans installed in editable mode with the extras named in $EXTRAS
+#     (default: test; CI uses EXTRAS=test,docs,prometheus) and the requirements in $VERSIONS (default:
+#     none, so the newest that pyproject.toml allows; e.g. VERSIONS="Django>=6.0,<6.1 celery>=5.7,<5.8").
+#     It is created afresh when missing or broken, and reinstalled only when pyproject.toml is newer than
+#     the stamp file in it or $EXTRAS or $VERSIONS differ from what it records;
 #   - PostgreSQL (127.0.0.1:5432) and RabbitMQ (127.0.0.1:5672) answer, starting whichever does not and
 #     waiting (bounded) until it does, and redis-server is installed. The tests and the demo run a Redis
 #     server of their own and use a database and a RabbitMQ vhost of their own on those servers
@@ -18,6 +20,8 @@
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 EXTRAS="${EXTRAS:-test}"
+PYTHON="${PYTHON:-python3}"
+VERSIONS="${VERSIONS:-}"
 SERVICE_WAIT_SECONDS="${SERVICE_WAIT_SECONDS:-60}"
 
 say() { printf '%s\n' "$*" >&2; }
@@ -31,28 +35,31 @@ quiet_pip_output() {
 
 setup_venv() {
     local stamp="$VENV/.celery-orphans-installed"
-    if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import pip' >/dev/null 2>&1; then
-        # The stamp records the extras installed; an empty one predates $EXTRAS and means test.
-        local installed
+    if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import pip' >/dev/null 2>&1 \
+        && [ "$("$VENV/bin/python" -V 2>&1)" = "$("$PYTHON" -V 2>&1)" ]; then
+        # The stamp records the extras and versions installed; an empty one means the default extras.
+        local installed wanted="$EXTRAS${VERSIONS:+ $VERSIONS}"
         installed="$(cat "$stamp" 2>/dev/null)"
-        if [ -f "$stamp" ] && [ ! "$ROOT/pyproject.toml" -nt "$stamp" ] && [ "${installed:-test}" = "$EXTRAS" ]; then
+        if [ -f "$stamp" ] && [ ! "$ROOT/pyproject.toml" -nt "$stamp" ] && [ "${installed:-test}" = "$wanted" ]; then
             say "venv: reusing $VENV"
             return 0
         fi
     else
-        say "venv: creating $VENV with $(python3 -c 'import sys; print("Python", sys.version.split()[0])')"
+        command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON is not on PATH (PYTHON names the interpreter)"
+        say "venv: creating $VENV with $("$PYTHON" -c 'import sys; print("Python", sys.version.split()[0])')"
         rm -rf "$VENV"
-        python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
+        "$PYTHON" -m venv "$VENV" || die "$PYTHON -m venv $VENV failed"
     fi
-    say "venv: installing celery-orphans[$EXTRAS] (editable)"
+    say "venv: installing celery-orphans[$EXTRAS] (editable)${VERSIONS:+ with $VERSIONS}"
     local log
     log="$(mktemp)"
-    if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]") >"$log" 2>&1; then
+    # shellcheck disable=SC2086 # VERSIONS is a list of requirements
+    if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" $VERSIONS) >"$log" 2>&1; then
         quiet_pip_output "$log"
-        die "pip install -e .[$EXTRAS] failed"
+        die "pip install -e .[$EXTRAS] $VERSIONS failed"
     fi
     quiet_pip_output "$log"
-    printf '%s' "$EXTRAS" >"$stamp"
+    printf '%s' "$EXTRAS${VERSIONS:+ $VERSIONS}" >"$stamp"
 }
 
 # wait_until SECONDS CHECK...: run CHECK every half second until it succeeds or SECONDS pass.

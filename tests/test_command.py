@@ -9,14 +9,13 @@ from dataclasses import dataclass
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection
 from django_celery_results.models import TaskResult
 
 from celery_orphans import leases
 from celery_orphans.models import OrphanEvent
-from celery_orphans.sweep.lock import ADVISORY_LOCK_ID
 from tests import helpers
 from tests.helpers import wait_for
+from tests.test_locks import held_in_thread
 
 NODE = "cmd@test"
 QUEUES = ("celery",)
@@ -298,19 +297,7 @@ def test_real_run_recovers_one_orphan_and_marks_the_other_terminal(orphans, work
 
 @pytest.mark.django_db(transaction=True)
 def test_sweep_lock_held_elsewhere_makes_the_command_fail_and_say_so(redis_client):
-    import psycopg
-    from psycopg.conninfo import make_conninfo
-
-    s = connection.settings_dict
-    conninfo = make_conninfo(
-        dbname=s["NAME"],
-        user=s["USER"] or None,
-        password=s["PASSWORD"] or None,
-        host=s["HOST"] or None,
-        port=s["PORT"] or None,
-    )
-    with psycopg.connect(conninfo) as holder, holder.transaction():
-        holder.execute("SELECT pg_advisory_xact_lock(%s)", [ADVISORY_LOCK_ID])
+    with held_in_thread():
         script = manage("--grace-minutes", "0", env={"CELERY_ORPHANS_ENABLED": "true"})
 
     assert script.returncode == 1

@@ -1,9 +1,9 @@
-"""Redis, PostgreSQL and the broker failing in the middle of a sweep, and workers outliving a Redis restart.
+"""Redis, the database and the broker failing in the middle of a sweep, and workers outliving a Redis restart.
 
 The ledger lives in a Redis server of the test's own (the run's own is never stopped), with an
-append-only file, so it can be SIGKILLed and started again without losing what it held. PostgreSQL is
-shared too: its fault is the sweep's own connection being terminated by the server. A broker fault is an
-injected ``kombu.exceptions.OperationalError`` from the producer.
+append-only file, so it can be SIGKILLed and started again without losing what it held. The database
+(PostgreSQL or MySQL/MariaDB) is shared too: its fault is the sweep's own session ended by the server.
+A broker fault is an injected ``kombu.exceptions.OperationalError`` from the producer.
 
 After every fault: the sweep stops with an error a caller can act on, no orphan is lost (each one is
 recovered or found again by the next sweep), none runs twice, and once the fault clears the next sweep
@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 import redis
 from django.core.management import CommandError, call_command
-from django.db import DatabaseError, connection
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 from django_celery_results.models import TaskResult
 from kombu.exceptions import KombuError
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -83,26 +82,27 @@ def published(redis_client: Any) -> Counter[str]:
 
 
 def terminate_own_database_session() -> None:
-    """Have PostgreSQL end this process's session, as a failover or an idle-session killer would."""
-    connection.ensure_connection()
-    pid = connection.connection.info.backend_pid
-    s = connection.settings_dict
-    with psycopg.connect(
-        host=s["HOST"] or "127.0.0.1",
-        port=s["PORT"] or 5432,
-        user=s["USER"],
-        password=s["PASSWORD"] or None,
-        dbname=s["NAME"],
-        autocommit=True,
-    ) as other:
-        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+    """Have the database end this process's session, as a failover or an idle-session killer would."""
+    mysql = connection.vendor == "mysql"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
+        (session,) = cursor.fetchone()
+    other = connections.create_connection(DEFAULT_DB_ALIAS)
+    try:
+        with other.cursor() as cursor:
+            if mysql:
+                cursor.execute("KILL CONNECTION %s", [session])
+            else:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [session])
+    finally:
+        other.close()
 
 
 @dataclass
 class Fault:
     """One kind of failure, switched on at a chosen point of a sweep and cleared afterwards."""
 
-    kind: str  # redis, postgres, broker
+    kind: str  # redis, database, broker
     server: RedisServer
     broker_down: bool = False
     struck: list[str] = field(default_factory=list)
@@ -111,7 +111,7 @@ class Fault:
         self.struck.append(where)
         if self.kind == "redis":
             self.server.stop()
-        elif self.kind == "postgres":
+        elif self.kind == "database":
             terminate_own_database_session()
         else:
             self.broker_down = True
@@ -119,7 +119,7 @@ class Fault:
     def clear(self) -> None:
         if self.kind == "redis":
             self.server.start()
-        elif self.kind == "postgres":
+        elif self.kind == "database":
             connection.close()  # the next query opens a new session
         self.broker_down = False
 
@@ -173,10 +173,10 @@ def arm(fault: Fault, point: str, monkeypatch: pytest.MonkeyPatch) -> None:
 # What the sweep raises at each fault: something a caller (the command, Beat, the admin) can act on.
 CLEAR_ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "redis": (LedgerUnavailable, sweep.SweepFailed),
-    "postgres": (DatabaseError,),
+    "database": (DatabaseError,),
     "broker": (sweep.SweepFailed, KombuError),
 }
-KINDS = ("redis", "postgres", "broker")
+KINDS = ("redis", "database", "broker")
 POINTS = ("before_decisions", "between_recoveries", "after_resend")
 
 

@@ -17,7 +17,7 @@ from tests.workers import OWN_SWEEPS_ON
 
 pytestmark = pytest.mark.worker
 
-POOLS = ["prefork", "solo", "threads", "gevent"]
+POOLS = ["prefork", "solo", "threads", "gevent", "eventlet"]
 
 
 def recovery_of(task_id: str) -> OrphanEvent:
@@ -71,7 +71,7 @@ def test_a_worker_frozen_past_its_lease_stores_nothing_over_the_recovered_run(
     wait_for(lambda: "gives up its boot" in frozen.log(), 20, "the thawed worker to give its boot up")
     # On solo and threads the thawed body runs to its end; only what Celery does with its outcome is
     # refused. Its body takes 5 s: wait it out. Prefork's pool process and gevent's greenlet are killed.
-    stopped = pool in ("prefork", "gevent")
+    stopped = pool in ("prefork", "gevent", "eventlet")
     wait_for(lambda: stopped or finishes(result.id) >= 2, 20, "the thawed body to end")
     assert finishes(result.id) == (1 if stopped else 2)
     row = TaskResult.objects.get(task_id=result.id)

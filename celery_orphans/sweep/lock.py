@@ -20,7 +20,7 @@ import math
 import zlib
 from collections.abc import Iterator
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, Error, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from redis.exceptions import LockError
@@ -106,7 +106,7 @@ def _named_lock(using: str, own_transaction: bool) -> Iterator[None]:
         yield
     finally:
         # A session the server closed (the sweep hung past wait_timeout) released the lock with it.
-        with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
+        with contextlib.suppress(Error), connection.cursor() as cursor:
             if own_transaction:
                 cursor.execute(
                     "SET SESSION wait_timeout = %s, innodb_lock_wait_timeout = %s",

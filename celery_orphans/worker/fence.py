@@ -110,8 +110,8 @@ def guard_task(task: Task[Any, Any]) -> None:
 
 def stop_executions(pool: Any, generation: int) -> int:
     """Mark the executions of ``generation`` and older forfeit; kill their pool processes where the pool
-    runs each in a process of its own (prefork), or their greenlets (gevent: ``GreenletExit`` at the next
-    point where the body yields). Returns how many were marked.
+    runs each in a process of its own (prefork), or their green threads (gevent and eventlet: ``GreenletExit``
+    at the next point where the body yields). Returns how many were marked.
 
     On the solo and threads pools the execution runs in a thread of this process, which cannot be stopped
     from outside: the body runs to its end, refused only what ``guard_task`` guards."""

@@ -1,6 +1,7 @@
 """A new project as the quick start sets it up, with tasks outside INSTALLED_APPS.
 
-Its services come from the environment: DATABASE_URL (sqlite:///path or postgres://...) and REDIS_URL.
+Its services come from the environment: DATABASE_URL (sqlite:///path, postgres://... or mysql://...) and
+REDIS_URL.
 """
 
 import os
@@ -31,7 +32,7 @@ if _db.scheme == "sqlite":
 else:
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.postgresql",
+            "ENGINE": "django.db.backends." + ("mysql" if _db.scheme == "mysql" else "postgresql"),
             "NAME": unquote(_db.path[1:]),
             "USER": unquote(_db.username or ""),
             "HOST": _db.hostname or "",
