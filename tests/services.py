@@ -8,7 +8,8 @@
   use instead; the suite declares and purges its queues there.
 - **PostgreSQL**: pytest-django creates the database ``test_celery_orphans`` on the server that
   ``TEST_DATABASE_URL`` names (``postgres://postgres@127.0.0.1:5432/postgres`` by default) and drops it
-  at the end; the database in the URL itself is only connected to.
+  at the end; the database in the URL itself is only connected to. A ``mysql://`` URL
+  (``mysql://root@localhost/mysql``) runs the suite on MySQL or MariaDB instead.
 
 Two runs on one machine take turns, unless ``TEST_RUN_NAME`` gives one of them names of its own.
 

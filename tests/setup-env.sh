@@ -62,6 +62,19 @@ setup_venv() {
     printf '%s' "$EXTRAS${VERSIONS:+ $VERSIONS}" >"$stamp"
 }
 
+# put_pythons_on_path MINOR...: make python3.MINOR answer on PATH from pyenv's newest 3.MINOR.x, where
+# PATH has none and pyenv has one (pyenv's shims answer only for the selected version).
+put_pythons_on_path() {
+    local minor version
+    for minor in "$@"; do
+        command -v "python3.$minor" >/dev/null 2>&1 && "python3.$minor" -V >/dev/null 2>&1 && continue
+        command -v pyenv >/dev/null 2>&1 || continue
+        version="$(pyenv versions --bare 2>/dev/null | grep -E "^3\.$minor\.[0-9]+$" | sort -V | tail -1)"
+        [ -n "$version" ] && PATH="$(pyenv root)/versions/$version/bin:$PATH"
+    done
+    export PATH
+}
+
 # wait_until SECONDS CHECK...: run CHECK every half second until it succeeds or SECONDS pass.
 wait_until() {
     local deadline=$((SECONDS + $1))
