@@ -10,10 +10,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
 import redis
+from celery.result import AsyncResult
 from django_celery_results.models import TaskResult
 
 from celery_orphans import sweep
@@ -161,3 +163,23 @@ def finishes(task_id: str) -> int:
     from demoapp.tasks import runs
 
     return sum(1 for e in runs(task_id) if e.startswith("finish"))
+
+
+def summarize_on_a_doomed_worker(
+    workers: Any, name: str, *, seconds: float, env: dict[str, str] | None = None, pool: str = "prefork"
+) -> tuple[Any, AsyncResult]:
+    """Start ``doomed-{name}@test`` (``pool``) on a queue of its own and ``watcher-{name}@test``, both
+    sweeping for themselves; run ``summarize([2, 3])`` (5) on the doomed one, then have the watcher take
+    that queue too, where a recovery of the task then runs. Returns the doomed worker and the result."""
+    from celery import current_app
+    from demoapp.tasks import summarize
+
+    from tests.workers import OWN_SWEEPS_ON
+
+    workers.own_sweeps = OWN_SWEEPS_ON
+    doomed = workers.start(f"doomed-{name}@test", pool=pool, env=env, queues=(name,))
+    workers.start(f"watcher-{name}@test", env=env)
+    result = summarize.apply_async(([2, 3],), {"seconds": seconds}, queue=name)
+    started_on(result.id, f"doomed-{name}@test")
+    current_app.control.add_consumer(name, destination=[f"watcher-{name}@test"], reply=True, timeout=5)
+    return doomed, result

@@ -10,14 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import current_app
 
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys, client
-from tests.helpers import started_on, starts, wait_for
+from tests.helpers import starts, summarize_on_a_doomed_worker, wait_for
 from tests.services import RedisSentinel, RedisServer
-from tests.workers import OWN_SWEEPS_ON
 
 pytestmark = pytest.mark.worker
 
@@ -49,8 +47,6 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
 def test_a_ledger_behind_sentinel_survives_a_failover_and_recovers_a_killed_workers_task(
     workers: Any, servers: Servers, settings: Any, own_clients: None
 ) -> None:
-    from demoapp.tasks import summarize
-
     env = {
         "CELERY_ORPHANS_REDIS_URL": servers.sentinel.url(),
         "CELERY_ORPHANS_REDIS_SENTINEL_MASTER": "orphans",
@@ -60,12 +56,7 @@ def test_a_ledger_behind_sentinel_survives_a_failover_and_recovers_a_killed_work
     }
     settings.CELERY_ORPHANS_REDIS_URL = servers.sentinel.url()
     settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
-    workers.own_sweeps = OWN_SWEEPS_ON
-    doomed = workers.start("doomed-sentinel@test", env=env, queues=("sentinel",))
-    workers.start("watcher-sentinel@test", env=env)
-    result = summarize.apply_async(([2, 3],), {"seconds": 6}, queue="sentinel")
-    started_on(result.id, "doomed-sentinel@test")
-    current_app.control.add_consumer("sentinel", destination=["watcher-sentinel@test"], reply=True, timeout=5)
+    doomed, result = summarize_on_a_doomed_worker(workers, "sentinel", seconds=6, env=env)
     # The entry reached the replica (replication is asynchronous: what did not is lost with the master).
     entry = Keys.current().entry(result.id)
     wait_for(lambda: servers.replica.client().exists(entry), 10, "the entry on the replica")

@@ -7,14 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import current_app
 
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys, client
-from tests.helpers import started_on, wait_for
+from tests.helpers import summarize_on_a_doomed_worker, wait_for
 from tests.services import RedisServer
-from tests.workers import OWN_SWEEPS_ON
 
 pytestmark = pytest.mark.worker
 
@@ -22,19 +20,12 @@ pytestmark = pytest.mark.worker
 def test_a_ledger_reached_over_tls_recovers_a_killed_workers_task(
     workers: Any, tmp_path: Path, settings: Any
 ) -> None:
-    from demoapp.tasks import summarize
-
     server = RedisServer(tmp_path / "tls", tls=True).start()
     try:
         env = {"CELERY_BROKER_URL": settings.REDIS_URL, "REDIS_URL": server.url()}
         # The ledger, and the records the test project's tasks keep of their runs.
         settings.CELERY_ORPHANS_REDIS_URL = settings.REDIS_URL = server.url()
-        workers.own_sweeps = OWN_SWEEPS_ON
-        doomed = workers.start("doomed-tls@test", env=env, queues=("tls",))
-        workers.start("watcher-tls@test", env=env)
-        result = summarize.apply_async(([2, 3],), {"seconds": 3}, queue="tls")
-        started_on(result.id, "doomed-tls@test")
-        current_app.control.add_consumer("tls", destination=["watcher-tls@test"], reply=True, timeout=5)
+        doomed, result = summarize_on_a_doomed_worker(workers, "tls", seconds=3, env=env)
         assert client().connection_pool.connection_kwargs["ssl_cert_reqs"] == "required"
         wait_for(lambda: Ledger(client(), Keys.current()).count() == 1, 10, "the entry in the TLS ledger")
 

@@ -12,7 +12,7 @@ from celery import current_app
 from django_celery_results.models import TaskResult
 
 from celery_orphans.models import OrphanEvent
-from tests.helpers import finishes, started_on, starts, wait_for
+from tests.helpers import finishes, started_on, starts, summarize_on_a_doomed_worker, wait_for
 from tests.workers import OWN_SWEEPS_ON
 
 pytestmark = pytest.mark.worker
@@ -26,21 +26,14 @@ def recovery_of(task_id: str) -> OrphanEvent:
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_task_on_a_killed_worker_runs_again_once_on_another(workers: Any, pool: str) -> None:
-    from demoapp.tasks import summarize
-
-    workers.own_sweeps = OWN_SWEEPS_ON
-    doomed = workers.start(f"doomed-{pool}@test", pool=pool, queues=(pool,))
-    workers.start("watcher@test")
-    result = summarize.apply_async(([2, 3],), {"seconds": 3}, queue=pool)
-    started_on(result.id, f"doomed-{pool}@test")
-    current_app.control.add_consumer(pool, destination=["watcher@test"], reply=True, timeout=5)
+    doomed, result = summarize_on_a_doomed_worker(workers, pool, seconds=3, pool=pool)
 
     doomed.kill()
 
     event = recovery_of(result.id)
     assert (event.action, event.evidence) == ("recovered", "process_exited")
     assert result.get(timeout=30) == 5
-    assert TaskResult.objects.get(task_id=result.id).worker == "watcher@test"
+    assert TaskResult.objects.get(task_id=result.id).worker == f"watcher-{pool}@test"
     assert (starts(result.id), finishes(result.id)) == (2, 1)
 
 

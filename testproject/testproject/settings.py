@@ -58,25 +58,17 @@ def _database(url: str) -> dict[str, object]:
             "NAME": unquote(parts.path[1:]) or ":memory:",
             "OPTIONS": {"timeout": 30},
         }
-    if parts.scheme in {"postgres", "postgresql"}:
-        return {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": unquote(parts.path[1:]),
-            "USER": unquote(parts.username or ""),
-            "PASSWORD": unquote(parts.password or ""),
-            "HOST": parts.hostname or "",
-            "PORT": str(parts.port or ""),
-        }
-    if parts.scheme in {"mysql", "mariadb"}:
+    engine = {"postgres": "postgresql", "postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
+    if parts.scheme in engine:
         # mysql://root@localhost/name reaches a local server through its socket (mysqlclient's rule).
         return {
-            "ENGINE": "django.db.backends.mysql",
+            "ENGINE": f"django.db.backends.{engine[parts.scheme]}",
             "NAME": unquote(parts.path[1:]),
             "USER": unquote(parts.username or ""),
             "PASSWORD": unquote(parts.password or ""),
             "HOST": parts.hostname or "",
             "PORT": str(parts.port or ""),
-            "OPTIONS": {"charset": "utf8mb4"},
+            "OPTIONS": {"charset": "utf8mb4"} if engine[parts.scheme] == "mysql" else {},
         }
     raise ValueError(f"DATABASE_URL scheme {parts.scheme!r} is not supported by the test project")
 
