@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -39,7 +38,7 @@ from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep import actions, broker, liveness, runner
 from tests import factories
-from tests.helpers import ROOT, manage, wait_for
+from tests.helpers import manage, wait_for
 from tests.services import RedisServer
 
 QUEUE = "celery"
@@ -57,19 +56,9 @@ def ledger_redis(tmp_path: Path, settings: Any) -> Iterator[RedisServer]:
     server.stop()
 
 
-def ledger_env(tmp_path: Path, server: RedisServer) -> dict[str, str]:
-    """Environment for a worker whose ledger is ``server`` (the test project's would use REDIS_URL)."""
-    module = tmp_path / "ledger_settings.py"
-    module.write_text(
-        "import os\n"
-        "from testproject.test_settings import *  # noqa: F403\n"
-        "CELERY_ORPHANS_REDIS_URL = os.environ['LEDGER_URL']\n"
-    )
-    return {
-        "LEDGER_URL": server.url(),
-        "DJANGO_SETTINGS_MODULE": "ledger_settings",
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
-    }
+def ledger_env(server: RedisServer) -> dict[str, str]:
+    """Environment for a worker whose ledger is ``server`` (the test project reads it before REDIS_URL)."""
+    return {"CELERY_ORPHANS_REDIS_URL": server.url()}
 
 
 def sweep_now() -> sweep.Report:
@@ -230,7 +219,7 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
     assert recovered == dict.fromkeys(ids, 1), "a recovery was recorded more than once"
 
     # Nothing runs twice: a worker consumes every copy that was sent, and runs each orphan once.
-    workers.start("faults@test", env=ledger_env(tmp_path, ledger_redis))
+    workers.start("faults@test", env=ledger_env(ledger_redis))
     wait_for(
         lambda: TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").count() == ORPHANS,
         30,
@@ -262,7 +251,7 @@ def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
 
     assert [o.decision.action for o in first.outcomes if o.done] == [Action.RECOVER]
     assert published(redis_client) == {task_id: 1}
-    worker = workers.start("cap@test", env=ledger_env(tmp_path, ledger_redis))
+    worker = workers.start("cap@test", env=ledger_env(ledger_redis))
     wait_for(
         lambda: (
             "dropped a stale copy" in worker.log() or TaskResult.objects.filter(status="SUCCESS").exists()
@@ -323,7 +312,7 @@ def test_workers_outlive_a_restart_of_the_ledger_redis_and_are_never_taken_for_d
     # A lease that outlives the outage: a worker that cannot renew for longer gives its tasks up
     # (tests/test_never_twice.py).
     env = {
-        **ledger_env(tmp_path, ledger_redis),
+        **ledger_env(ledger_redis),
         "CELERY_ORPHANS_LEASE_SECONDS": "10",
         "CELERY_ORPHANS_HEARTBEAT_SECONDS": "1",
     }
@@ -381,3 +370,37 @@ def test_a_sweep_gives_the_garbage_collector_back_as_it_found_it_even_when_it_fa
         assert gc.isenabled() is enabled
     finally:
         gc.enable()
+
+
+@pytest.mark.worker
+def test_a_ledger_redis_that_loses_its_data_marks_the_running_task_terminal_and_never_runs_it_twice(
+    workers: Any, tmp_path: Path, redis_client: Any, settings: Any
+) -> None:
+    from demoapp.tasks import runs, summarize
+
+    volatile = RedisServer(tmp_path / "volatile").start()  # keeps nothing on disk
+    try:
+        settings.CELERY_ORPHANS_REDIS_URL = volatile.url()
+        settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 1.0
+        doomed = workers.start("forgetful@test", env=ledger_env(volatile))
+        result = summarize.delay([4], seconds=8)
+        wait_for(lambda: runs(result.id), 20, "the task to begin")
+        wait_for(lambda: Ledger(client(), Keys.current()).count() == 1, 10, "its ledger entry")
+
+        volatile.stop()
+        volatile.start()  # the same address, every key gone
+        doomed.kill()
+        report = wait_for(lambda: [o for o in sweep_now().outcomes if o.done], 20, "the orphan to be handled")
+
+        (outcome,) = report
+        assert (outcome.decision.action, outcome.decision.reason) == (
+            Action.MARK_TERMINAL,
+            Reason.NO_LEDGER_ENTRY,
+        )
+        assert TaskResult.objects.get(task_id=result.id).status == "FAILURE"
+        time.sleep(3)  # nothing sends it again
+        assert [e.split(":")[0] for e in runs(result.id)] == ["start"]
+        assert redis_client.llen(QUEUE) == 0
+    finally:
+        workers.close()  # before their ledger goes
+        volatile.stop()
