@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
@@ -56,7 +56,11 @@ def _connect(url: str, master: str | None) -> redis.Redis[bytes]:
     if master is None:
         return redis.Redis.from_url(url, **options)
     target = SentinelTarget.from_url(url)
-    sentinel = Sentinel(target.sentinels, sentinel_kwargs={"socket_timeout": 1, "socket_connect_timeout": 1})
+    # One try per sentinel per lookup: the lookup itself is retried with the command, as above.
+    sentinel = Sentinel(
+        target.sentinels,
+        sentinel_kwargs={"socket_timeout": 1, "socket_connect_timeout": 1, "retry": Retry(NoBackoff(), 0)},
+    )
     # Each new connection asks the sentinels where the master is; one to a master demoted by a failover
     # fails (READONLY) and is retried on the new one.
     return sentinel.master_for(

@@ -306,13 +306,15 @@ def test_sweep_lock_held_elsewhere_makes_the_command_fail_and_say_so(redis_clien
     assert not OrphanEvent.objects.exists()
 
 
-@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0", "redis://:s3cret@127.0.0.1:1/0"])
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:1/0", "redis://:s3cret@127.0.0.1:1/0", "sentinel://:s3cret@127.0.0.1:1/0"]
+)
 @pytest.mark.parametrize("mode", [[], ["--dry-run"]], ids=["run", "dry-run"])
 @pytest.mark.django_db(transaction=True)
 def test_unreachable_redis_fails_with_a_clear_message_that_hides_the_password(url, mode):
     from django.conf import settings
 
-    # The test project sets CELERY_ORPHANS_REDIS_URL from REDIS_URL; the broker stays reachable.
+    # The broker stays reachable.
     script = manage(
         *mode,
         "--grace-minutes",
@@ -320,6 +322,7 @@ def test_unreachable_redis_fails_with_a_clear_message_that_hides_the_password(ur
         env={
             "REDIS_URL": url,
             "CELERY_ORPHANS_REDIS_URL": url,
+            "CELERY_ORPHANS_REDIS_SENTINEL_MASTER": "orphans",
             "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
             "CELERY_ORPHANS_ENABLED": "true",
         },
@@ -327,7 +330,7 @@ def test_unreachable_redis_fails_with_a_clear_message_that_hides_the_password(ur
 
     assert script.returncode == 1
     assert "cannot reach Redis" in script.stderr
-    assert "127.0.0.1:1" in script.stderr
+    assert ("orphans" if url.startswith("sentinel") else "127.0.0.1:1") in script.stderr
     assert "Traceback" not in script.stderr
     assert "s3cret" not in script.stdout + script.stderr
 
