@@ -56,7 +56,7 @@ def _database(url: str) -> dict[str, object]:
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": unquote(parts.path[1:]) or ":memory:",
-            "OPTIONS": {"timeout": 30},
+            "OPTIONS": {"timeout": 30, "transaction_mode": "IMMEDIATE"},
         }
     engine = {"postgres": "postgresql", "postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
     if parts.scheme in engine:

@@ -1,6 +1,7 @@
 """Settings for the test suite: a Redis server and a database of the run's own (see tests/services.py)."""
 
 import os
+import tempfile
 
 from tests import services
 
@@ -10,6 +11,11 @@ from testproject.settings import *  # noqa: E402, F403
 from testproject.settings import DATABASES  # noqa: E402
 
 DATABASES["default"]["TEST"] = {"NAME": services.TEST_DATABASE_NAME}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file, not memory: the workers and commands a test starts open it too.
+    DATABASES["default"]["TEST"]["NAME"] = os.path.join(
+        tempfile.gettempdir(), f"{services.TEST_DATABASE_NAME}.sqlite3"
+    )
 
 # Short leases so that a killed worker is provably gone within a couple of seconds. Environment
 # variables, not settings, so a test can start a worker with the production defaults.
