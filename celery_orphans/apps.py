@@ -14,6 +14,7 @@ class CeleryOrphansConfig(AppConfig):
         from celery import signals
 
         from celery_orphans import checkpoints, checks, receivers, tasks
+        from celery_orphans.worker import control  # noqa: F401 - registers the remote revoke command
 
         checks.register()
         for name in tasks.QUIETED:

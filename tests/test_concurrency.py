@@ -169,7 +169,7 @@ def test_without_the_lock_concurrent_sweeps_still_recover_each_orphan_exactly_on
 
 @pytest.mark.skipif(
     connection.vendor == "sqlite",
-    reason="SQLite runs one write transaction at a time: no sweep can look between another's claim and commit",
+    reason="SQLite runs one write transaction at a time: no sweep looks between another's claim and commit",
 )
 def test_a_sweep_that_looks_between_anothers_claim_and_commit_does_not_send_the_task_again(
     redis_client: Any, settings: Any, monkeypatch: pytest.MonkeyPatch

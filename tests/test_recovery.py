@@ -172,9 +172,13 @@ def test_non_recoverable_orphan_ends_failure_with_task_orphaned_and_never_runs_a
     assert unacked_deliveries_of(redis_client, result.id) == []
     assert outcome_of(report, other.id).done
     assert unacked_deliveries_of(redis_client, other.id) == []
-    # And every worker is told to discard any copy of either.
+    # And every worker is told to discard any copy of either, and leaves their rows as they were (Celery
+    # 5.6's own revoke command would store REVOKED over them).
     revoked = celery_app.control.inspect(destination=["scan@test"], timeout=5).revoked() or {}
     assert {result.id, other.id} <= set(revoked.get("scan@test", []))
+    assert set(
+        TaskResult.objects.filter(task_id__in=[result.id, other.id]).values_list("status", flat=True)
+    ) == {"FAILURE"}
 
 
 def test_poison_task_is_recovered_exactly_max_attempts_times_then_ends_recovery_limit_reached(workers):

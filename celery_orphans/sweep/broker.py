@@ -82,9 +82,12 @@ def discard_unacked(conn: Connection, tags: Collection[str]) -> int:
 
 # Ids per revoke broadcast: every worker reads each one whole.
 REVOKE_CHUNK = 1000
+# The remote control command each worker answers by flagging the ids revoked (worker/control.py).
+REVOKE_COMMAND = "celery_orphans_revoke"
 
 
 def revoke(app: Celery, task_ids: list[str]) -> None:
-    """Tell every worker to discard any copy of these tasks, which must never run again."""
+    """Tell every worker to discard any copy of these tasks, which must never run again, leaving their
+    result rows as they are (worker/control.py)."""
     for start in range(0, len(task_ids), REVOKE_CHUNK):
-        app.control.revoke(task_ids[start : start + REVOKE_CHUNK])
+        app.control.broadcast(REVOKE_COMMAND, arguments={"task_ids": task_ids[start : start + REVOKE_CHUNK]})
