@@ -61,6 +61,13 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _kill(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL a server process of ours, if it still runs, and reap it."""
+    if process is not None and process.poll() is None:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+
+
 class RedisServer:
     """A ``redis-server`` of the caller's own, on a free port, that the caller may stop and start at will.
 
@@ -158,9 +165,7 @@ class RedisServer:
             return False
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+        _kill(self.process)
         self.process = None
 
 
@@ -214,9 +219,7 @@ class RedisSentinel:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+        _kill(self.process)
         self.process = None
 
 
