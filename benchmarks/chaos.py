@@ -41,9 +41,11 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -51,12 +53,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
 from celery.signals import task_success
 
 from celery_orphans import recoverable
+
+if TYPE_CHECKING:
+    from benchmarks.nemesis import Nemesis
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ROOT / "testproject"
@@ -67,11 +72,31 @@ RUNS_KEY = "chaos:runs:{}"
 LOST_AFTER_FINISH_SECONDS = 5.0
 
 
-def _runs_redis() -> Any:
-    import redis
-    from django.conf import settings
+_clients: dict[int, Any] = {}
+# Each record is stamped by the Redis server's clock, one for every worker: a worker's own clock may be
+# stepped by the nemesis.
+STAMP = (
+    "local t = redis.call('TIME') "
+    "local at = t[1] .. '.' .. string.format('%06d', tonumber(t[2])) "
+    "return redis.call('RPUSH', KEYS[1], ARGV[1] .. '|' .. at)"
+)
+EFFECT_EVERY = 0.25  # seconds between a body's side effects
 
-    return redis.Redis.from_url(settings.REDIS_URL)
+
+def _runs_redis() -> Any:
+    """This process's client for the run's records (a pool process makes its own)."""
+    client = _clients.get(os.getpid())
+    if client is None:
+        import redis
+        from django.conf import settings
+
+        client = _clients[os.getpid()] = redis.Redis.from_url(settings.REDIS_URL)
+    return client
+
+
+def parse_record(raw: bytes) -> dict[str, Any]:
+    body, at = raw.decode().rsplit("|", 1)
+    return {**json.loads(body), "at": float(at)}
 
 
 def _own_sweeps_on() -> dict[str, str]:
@@ -88,20 +113,25 @@ def _record(request: Any, event: str) -> None:
         "pid": os.getpid(),
         "node": request.hostname,
         "attempt": attempt,
-        "at": time.time(),
+        "execution": getattr(request, "chaos_execution", ""),
     }
-    _runs_redis().rpush(RUNS_KEY.format(request.id), json.dumps(record))
+    _runs_redis().eval(STAMP, 1, RUNS_KEY.format(request.id), json.dumps(record))
 
 
 def _work(self: Any, seconds: float) -> dict[str, Any]:
-    """Idempotent busy work: records its start, sleeps, records its finish.
+    """Idempotent busy work: records its start, a side effect every quarter second, its finish.
 
     Its result names the process that ran it, so the run can tell which execution's outcome was stored.
     """
+    self.request.chaos_execution = os.urandom(4).hex()
     _record(self.request, "start")
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    next_effect = time.monotonic()
+    while (left := end - time.monotonic()) > 0:
+        if time.monotonic() >= next_effect:
+            _record(self.request, "effect")
+            next_effect += EFFECT_EVERY
+        time.sleep(min(0.05, left))
     _record(self.request, "finish")
     return {"seconds": seconds, "pid": os.getpid(), "node": self.request.hostname}
 
@@ -170,6 +200,7 @@ class Fleet:
     pauses: list[Pause] = field(default_factory=list)
     generation: int = 0
     pool: Any = None  # tests.workers.WorkerPool
+    nemesis: Nemesis | None = None
 
     def __post_init__(self) -> None:
         from tests.workers import WorkerPool
@@ -187,7 +218,10 @@ class Fleet:
             queues=(self.queue, self.sweep_queue),
             # A worker's own sweeps (at boot, and the watch's) run as in production, unless the run's
             # environment switches them off.
-            env={name: self.env.get(name, value) for name, value in _own_sweeps_on().items()},
+            env={
+                **{name: self.env.get(name, value) for name, value in _own_sweeps_on().items()},
+                **(self.nemesis.worker_env(name, self.env) if self.nemesis else {}),
+            },
             include=("benchmarks.chaos",),
             wait=wait,
             ready_timeout=60,
@@ -211,7 +245,16 @@ class Fleet:
         """The workers running and not stopped."""
         now = time.time()
         frozen = {p.node for p in self.pauses if p.at <= now < p.until + 1}
+        if self.nemesis is not None:
+            frozen |= self.nemesis.faulted()
         return [w for w in self.workers if w.is_running() and w.name not in frozen]
+
+    def strike(self) -> None:
+        """Let the nemesis strike; what it strikes may rightly cost the executions it holds up."""
+        assert self.nemesis is not None
+        fault = self.nemesis.strike(self.live(), group_pids)
+        if fault is not None and fault.pids:
+            self.pauses.append(Pause(fault.node, fault.at, fault.until, set(fault.pids)))
 
     def pause_one(self, rng: random.Random, seconds: float) -> Pause | None:
         """SIGSTOP a worker and its pool for ``seconds``, then SIGCONT it (a frozen VM, a debugger)."""
@@ -269,17 +312,26 @@ class Execution:
         return any(pid in k.pids and began <= k.at <= ended for k in kills)
 
     def forfeit_by(self, pauses: list[Pause]) -> bool:
-        """Its process was stopped while it ran, so long that its worker gave it up."""
+        """Its process was stopped (or its worker cut off) while it ran, so long that its worker gave it
+        up: the pause and the execution overlap."""
         began, pid = self.start["at"], self.start["pid"]
         ended = self.stored["at"] if self.stored else float("inf")
-        return any(pid in p.pids and began <= p.at <= ended for p in pauses)
+        return any(pid in p.pids and p.at <= ended and began <= p.until for p in pauses)
+
+    def given_up_by(self, give_ups: list[tuple[str, float]]) -> bool:
+        """Its worker gave its boot up while it ran (its lease lapsed: a stall, a cut, a refused write),
+        so the execution was rightly forfeit. Log times come from the worker's clock, so a second of
+        slack either way."""
+        node, began = self.start["node"], self.start["at"]
+        ended = self.finish["at"] if self.finish else float("inf")
+        return any(n == node and began - 1 <= at <= ended + 1 for n, at in give_ups)
 
     def live_until(self, kills: list[Kill], pauses: list[Pause], fence: float) -> float:
         """Until when it was a live execution: its end, its kill, or its fence once its worker stopped."""
         pid, began = self.start["pid"], self.start["at"]
         ends = [e["at"] for e in (self.stored, self.finish) if e is not None]
         ends += [k.at for k in kills if pid in k.pids and k.at >= began]
-        ends += [p.at + fence for p in pauses if pid in p.pids and p.at >= began]
+        ends += [max(p.at, began) + fence for p in pauses if pid in p.pids and began <= p.until]
         return min(ends, default=float("inf"))
 
 
@@ -304,6 +356,10 @@ class Result:
     stale_copies_dropped: int
     marked_terminal: int
     seconds: float
+    overlapping_effects: int = 0
+    overlap_window: float = 0.0
+    left_unfinished: int = 0
+    schedule: list[str] = field(default_factory=list)
     offenders: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -311,9 +367,10 @@ class Result:
             f"tasks SUCCESS: {self.success} of {self.tasks}",
             f"executions finished per task: {dict(sorted(self.finished_per_task.items()))} "
             f"(must be {{1: {self.tasks}}})",
-            f"starts: {self.starts}; extra starts: {self.extra_starts}, explained by kills of that very "
-            f"execution: {self.explained_by_kills} (of which {self.lost_after_finish} killed after the body "
-            f"ended, before its result was stored), unexplained: {self.unexplained_extra_starts} (must be 0)",
+            f"starts: {self.starts}; extra starts: {self.extra_starts}, explained by a kill, a fault or "
+            f"a give-up of that very execution: {self.explained_by_kills} (of which "
+            f"{self.lost_after_finish} killed after the body ended, before its result was stored), "
+            f"unexplained: {self.unexplained_extra_starts} (must be 0)",
             f"stale-copy executions after recovery: {self.stale_copy_executions} (must be 0)",
             f"starts of a task while a live execution of it ran: {self.duplicates_of_live} (must be 0); "
             f"duplicate deliveries dropped by single flight: {self.duplicates_dropped}",
@@ -321,7 +378,11 @@ class Result:
             f"lease: {self.pauses}; recoveries: "
             f"{self.recovered} {self.recovered_by_trigger}; stale copies dropped by the fence: "
             f"{self.stale_copies_dropped}; marked terminal: {self.marked_terminal}",
+            f"side effects of a stale execution after a later one started: {self.overlapping_effects} "
+            f"(must be 0), over {self.overlap_window:.2f} s",
+            f"tasks left neither SUCCESS nor FAILURE: {self.left_unfinished} (must be 0)",
             f"duration: {self.seconds:.0f} s",
+            *([f"nemesis schedule ({len(self.schedule)} faults):", *self.schedule] if self.schedule else []),
             *self.offenders,
         ]
 
@@ -333,6 +394,8 @@ class Result:
             and self.unexplained_extra_starts == 0
             and self.stale_copy_executions == 0
             and self.duplicates_of_live == 0
+            and self.overlapping_effects == 0
+            and self.left_unfinished == 0
         )
 
 
@@ -352,6 +415,23 @@ def executions_of(events: list[dict[str, Any]]) -> list[Execution]:
     return found
 
 
+def stale_effects(events: list[dict[str, Any]]) -> list[float]:
+    """How late each side effect of an execution came after a later execution had started (Redis's clock).
+
+    Every execution's records carry its own id; a body that acts after a newer copy of its task began is
+    running beside it, whatever the reason.
+    """
+    starts = {e["execution"]: e["at"] for e in events if e["event"] == "start"}
+    late = []
+    for e in events:
+        if e["event"] not in ("effect", "finish") or e["execution"] not in starts:
+            continue
+        newer = [at for at in starts.values() if starts[e["execution"]] < at <= e["at"]]
+        if newer:
+            late.append(e["at"] - min(newer))
+    return late
+
+
 def stored_runner(result: object) -> tuple[str, int] | None:
     """Which process's outcome the SUCCESS row holds (the task returns its node and pid)."""
     try:
@@ -361,6 +441,21 @@ def stored_runner(result: object) -> tuple[str, int] | None:
     if not isinstance(value, dict) or "pid" not in value:
         return None
     return str(value.get("node")), int(value["pid"])
+
+
+GIVE_UP = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): ERROR/MainProcess\] "
+    r"celery-orphans: worker (\S+) gives up its boot",
+    re.MULTILINE,
+)
+
+
+def given_up(fleet_logs: str) -> list[tuple[str, float]]:
+    """When each worker gave its boot up (its executions forfeit), from the workers' logs."""
+    return [
+        (node, time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000)
+        for stamp, millis, node in GIVE_UP.findall(fleet_logs)
+    ]
 
 
 def analyse(
@@ -373,12 +468,14 @@ def analyse(
     """
     from django_celery_results.models import TaskResult
 
+    from celery_orphans.decision import Evidence
     from celery_orphans.models import OrphanEvent
-    from celery_orphans.reconcile import Evidence
 
+    give_ups = given_up(fleet_logs)
     conn = _runs_redis()
     events = {
-        task_id: [json.loads(raw) for raw in conn.lrange(RUNS_KEY.format(task_id), 0, -1)] for task_id in ids
+        task_id: [parse_record(raw) for raw in conn.lrange(RUNS_KEY.format(task_id), 0, -1)]
+        for task_id in ids
     }
     recoveries: dict[str, list[tuple[int, float]]] = {}
     audit = OrphanEvent.objects.filter(task_id__in=ids)
@@ -392,17 +489,20 @@ def analyse(
     stored = {task_id: stored_runner(result) for task_id, result in rows}
     finished: Counter[int] = Counter()
     starts = explained = after_finish = stale = live_duplicates = 0
+    late_effects: list[float] = []
     offenders = []
     for task_id in ids:
         runs = executions_of(events[task_id])
         starts += len(runs)
+        acted_late = stale_effects(events[task_id])
+        late_effects += acted_late
         # An execution finished when its outcome was handled (task_success): a body that ended in a
         # process killed before it could store the result, or given up by its stopped worker, did not
         # finish the task, which rightly runs again.
         lost = [
             r
             for r in runs
-            if (r.lost_to(kills) or r.forfeit_by(pauses))
+            if (r.lost_to(kills) or r.forfeit_by(pauses) or r.given_up_by(give_ups))
             and r.stored is None
             and r.runner != stored.get(task_id)
         ]
@@ -426,7 +526,7 @@ def analyse(
             if any(a > r.start["attempt"] and at <= r.start["at"] for a, at in recoveries.get(task_id, []))
         ]
         stale += len(late)
-        if len(done) != 1 or len(runs) - len(lost) != 1 or late or overlaps:
+        if len(done) != 1 or len(runs) - len(lost) != 1 or late or overlaps or acted_late:
             offenders.append(describe(task_id, runs, lost, recoveries.get(task_id, []), stored.get(task_id)))
     by_trigger = Counter(audit.filter(action="recovered").values_list("trigger", flat=True))
     return Result(
@@ -449,6 +549,9 @@ def analyse(
         stale_copies_dropped=fleet_logs.count("dropped a stale copy"),
         marked_terminal=audit.filter(action="marked_terminal").count(),
         seconds=time.time() - started,
+        overlapping_effects=len(late_effects),
+        overlap_window=max(late_effects, default=0.0),
+        left_unfinished=len(ids) - len(stored) - audit.filter(action="marked_terminal").count(),
         offenders=offenders[:20],
     )
 
@@ -530,19 +633,21 @@ def run(
     pause_every: float = 0.0,
     long_share: float = 0.0,
     long_seconds: tuple[float, float] = (0.0, 0.0),
+    nemesis: Nemesis | None = None,
+    fault_every: float = 0.0,
     say: Callable[[str], None] = log,
 ) -> Result:
     """One chaos run in this (Django-configured) process; the workers get ``env``.
 
     With ``pause_every``, a worker is also stopped (``SIGSTOP``) that often for one and a half leases;
     ``long_share`` of the tasks run ``long_seconds`` (past the Redis visibility timeout) instead of 0.5 to
-    3 s.
+    3 s; with a ``nemesis``, it strikes a fault about every ``fault_every`` seconds.
     """
     from celery_orphans.conf import settings
 
     lease = float(env.get("CELERY_ORPHANS_LEASE_SECONDS", settings.LEASE_SECONDS))
     rng = random.Random(seed)
-    fleet = Fleet(workdir, env, run_id=uuid.uuid4().hex[:8])
+    fleet = Fleet(workdir, env, run_id=uuid.uuid4().hex[:8], nemesis=nemesis)
     stop = threading.Event()
     started = time.time()
     beat = None
@@ -574,6 +679,8 @@ def run(
         deadline = time.monotonic() + timeout
         next_kill = time.monotonic() + kill_every * rng.uniform(0.8, 1.2)
         next_pause = time.monotonic() + pause_every * rng.uniform(0.8, 1.2) if pause_every else float("inf")
+        striking = nemesis is not None and fault_every > 0
+        next_fault = time.monotonic() + fault_every * rng.uniform(0.8, 1.2) if striking else float("inf")
         while True:
             ended = Counter(
                 TaskResult.objects.filter(task_id__in=ids, status__in=("SUCCESS", "FAILURE")).values_list(
@@ -591,16 +698,25 @@ def run(
             if time.monotonic() >= next_pause:
                 fleet.pause_one(rng, 1.5 * lease)
                 next_pause = time.monotonic() + pause_every * rng.uniform(0.8, 1.2)
+            if time.monotonic() >= next_fault:
+                fleet.strike()
+                next_fault = time.monotonic() + fault_every * rng.uniform(0.8, 1.2)
             time.sleep(0.2)
         # Let whatever copies are still queued reach a worker (a stale one must be dropped, not run).
         drained = time.monotonic() + 30
         while queued(fleet.queue) and time.monotonic() < drained:
             time.sleep(0.2)
-        time.sleep(max((p.until - time.time() for p in fleet.pauses), default=0) + 1)  # every worker thawed
+        time.sleep(max([0.0, *(p.until - time.time() for p in fleet.pauses)]) + 1)  # every worker thawed
+        if nemesis is not None:
+            nemesis.heal()
         logs = "".join(w.log() for w in fleet.workers)
-        return analyse(ids, fleet.kills, fleet.pauses, 0.8 * lease, logs, started)
+        result = analyse(ids, fleet.kills, fleet.pauses, 0.8 * lease, logs, started)
+        result.schedule = nemesis.lines(started) if nemesis is not None else []
+        return result
     finally:
         stop.set()
+        if nemesis is not None:
+            nemesis.close()
         if beat is not None and beat.poll() is None:
             os.killpg(beat.pid, signal.SIGKILL)
             beat.wait(timeout=10)
@@ -629,6 +745,14 @@ def main() -> int:
         "--lease", type=float, default=3.0, help="CELERY_ORPHANS_LEASE_SECONDS of the workers"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep worker logs here")
+    parser.add_argument(
+        "--nemesis",
+        default="",
+        help="faults struck at random besides the kills, comma-separated, or 'all': "
+        "pause, freeze_main, blackhole, refuse_writes, clock_step (benchmarks/nemesis.py); the ledger then "
+        "gets a Redis of its own, reached by each worker through a proxy",
+    )
+    parser.add_argument("--fault-every", type=float, default=8.0, help="seconds between nemesis faults")
     args = parser.parse_args()
 
     # Variables of its own, so a DATABASE_URL or REDIS_URL meant for the test suite is never used here.
@@ -641,6 +765,11 @@ def main() -> int:
     redis_url = given_redis or own_redis().url()
     vhost = Vhost("celery-orphans-chaos").create() if args.broker == "amqp" and not given_amqp else None
     amqp_url = given_amqp or (vhost.url() if vhost else "")
+    ledger = None
+    if args.nemesis:
+        from tests.services import RedisServer
+
+        ledger = RedisServer(Path(tempfile.mkdtemp(prefix="chaos-ledger-"))).start()
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "testproject.settings",
@@ -654,6 +783,7 @@ def main() -> int:
         "CELERY_ORPHANS_LEASE_SECONDS": str(args.lease),
         "CELERY_ORPHANS_HEARTBEAT_SECONDS": str(args.lease / 5),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(PROJECT)]),
+        **({"CELERY_ORPHANS_REDIS_URL": ledger.url()} if ledger else {}),
     }
     os.environ.update(env)
     sys.path[:0] = [str(ROOT), str(PROJECT)]
@@ -662,8 +792,6 @@ def main() -> int:
     import django
 
     django.setup()
-    import tempfile
-
     import redis
     from django.core.management import call_command
     from django_celery_results.models import TaskResult
@@ -680,6 +808,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
+        nemesis = None
+        if ledger is not None:
+            from benchmarks.nemesis import KINDS
+            from benchmarks.nemesis import Nemesis as Striker
+
+            kinds = KINDS if args.nemesis == "all" else tuple(args.nemesis.split(","))
+            nemesis = Striker(kinds, args.lease, ledger, workdir, random.Random(args.seed), log)
         result = chaos.run(
             tasks=args.tasks,
             kill_every=args.kill_every,
@@ -691,9 +826,13 @@ def main() -> int:
             long_share=args.long_share,
             long_seconds=(1.5 * args.visibility_timeout, 2.5 * args.visibility_timeout),
             timeout=args.timeout,
+            nemesis=nemesis,
+            fault_every=args.fault_every,
         )
     if vhost is not None:
         vhost.delete()
+    if ledger is not None:
+        ledger.stop()
     print(f"\nchaos, broker {args.broker}, sweeper {args.sweeper}:")
     for line in result.lines():
         print(f"  {line}")

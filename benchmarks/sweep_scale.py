@@ -68,8 +68,8 @@ from celery_orphans import sweep  # noqa: E402
 from celery_orphans.entry import Entry  # noqa: E402
 from celery_orphans.exceptions import LedgerUnavailable  # noqa: E402
 from celery_orphans.models import OrphanEvent, Trigger  # noqa: E402
+from celery_orphans.recovery import rows as rows_module  # noqa: E402
 from celery_orphans.store import Keys, client  # noqa: E402
-from celery_orphans.sweep import rows as rows_module  # noqa: E402
 from tests.factories import delivery  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 from tests.workers import Worker, WorkerPool  # noqa: E402
@@ -243,7 +243,7 @@ def build_started(n_rows: int, live: list[str], dead: list[str]) -> StartedSet:
             delivery=delivery(RECOVERABLE, task_id, ([i],), queue=RESENT_QUEUE),
             token=uuid.uuid4().hex,
         )
-        pipe.hset(keys.entry(task_id), mapping={"token": entry.token, "entry": entry.to_json()})
+        pipe.hset(keys.entry(task_id), mapping={"token": entry.token, "entry": entry.sealed()})
         pipe.zadd(keys.inflight, {task_id: entry.recorded_at})
         entries += 1
         if len(pipe) >= 2000:

@@ -97,7 +97,7 @@ def _time_hooks() -> None:
         if mixin is not None and callable(getattr(mixin, attr, None)):
             setattr(mixin, attr, timed(label, getattr(mixin, attr)))
     try:
-        checkpoints = importlib.import_module("celery_orphans.checkpoints")
+        checkpoints = importlib.import_module("celery_orphans.worker.checkpoint")
     except ImportError:
         return
     receiver = getattr(checkpoints, "on_task_success", None)

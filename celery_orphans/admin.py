@@ -3,8 +3,8 @@ in-flight view: every running task with the sweep's verdict, and the actions an 
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
@@ -13,18 +13,18 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.formats import date_format
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
 from django.utils.timezone import localtime
 from django_celery_results.models import TaskResult
 
 from celery_orphans import operations
+from celery_orphans.conf import settings
 from celery_orphans.models import OrphanEvent, Trigger
+from celery_orphans.verdicts import meaning
 
-# The in-flight page lists this many tasks (oldest first); the counts above it cover every one.
-IN_FLIGHT_SHOWN = 500
 ACTIONS = {"recover": "Recover now", "mark_terminal": "Mark terminal"}
-_LEVELS = {"done": messages.SUCCESS, "refused": messages.WARNING, "failed": messages.ERROR}
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[OrphanEvent]
@@ -36,8 +36,10 @@ else:
 class OrphanEventAdmin(_ModelAdmin):
     """A read-only view of what the reconcile did; the record must stay what happened."""
 
-    # Narrow enough that reason and evidence show without scrolling at 1,400 pixels: the detail (which
-    # names the attempt) and the checkpoint ride along as the reason's tooltip, the user with the trigger.
+    # Narrow enough to fit 1,400 pixels beside Django's navigation sidebar and the filters: the detail
+    # (which names the attempt) and the checkpoint ride along as the reason's tooltip, the evidence's
+    # meaning as its own, the user with the trigger; ids and names wrap anywhere, reasons and evidence
+    # after an underscore.
     list_display = (
         "created",
         "action",
@@ -45,7 +47,7 @@ class OrphanEventAdmin(_ModelAdmin):
         "task_name",
         "worker",
         "reason_with_detail",
-        "evidence",
+        "evidence_explained",
         "trigger_and_user",
     )
     # Rows are not linked: the change view is refused, so a link would only lead to a 403.
@@ -53,6 +55,33 @@ class OrphanEventAdmin(_ModelAdmin):
     list_filter = ("action", "reason", "trigger", "task_name", "worker", "created_at")
     search_fields = ("task_id",)
     change_list_template = "celery_orphans/admin/orphanevent_change_list.html"
+    # Offered only to users with the permission to lift a recovery cap (the checkbox column with it).
+    actions = ("lift_recovery_cap",)
+
+    @admin.action(
+        description="Lift the recovery cap of the selected tasks (the next sweep recovers each once more)",
+        permissions=("lift_cap",),
+    )
+    def lift_recovery_cap(self, request: HttpRequest, queryset: QuerySet[OrphanEvent]) -> None:
+        """Lift the cap of the tasks of the chosen events (their terminal mark at the cap, usually)."""
+        task_ids = sorted({task_id for task_id in queryset.values_list("task_id", flat=True) if task_id})
+        if not task_ids:
+            messages.warning(request, "The selected events name no task; nothing was done.")
+            return
+        if not _within_rate(request):
+            return
+        try:
+            lifted = operations.lift_caps(task_ids, trigger=Trigger.ADMIN, user=request.user.get_username())
+        except operations.Refused as exc:
+            messages.error(request, f"Lift the recovery cap: nothing was done: {exc}")
+            return
+        for result in lifted:
+            messages.add_message(
+                request, messages.SUCCESS if result.lifted else messages.WARNING, result.message
+            )
+
+    def has_lift_cap_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm(operations.LIFT_PERMISSION))
 
     def get_urls(self) -> list[URLPattern]:
         # Before the model's own patterns, whose "<path:object_id>/" would take "in-flight/".
@@ -69,23 +98,23 @@ class OrphanEventAdmin(_ModelAdmin):
         if request.method == "POST":
             if not can_act:
                 raise PermissionDenied
-            _act(request)
+            if _within_rate(request):
+                _act(request)
             return HttpResponseRedirect(request.get_full_path())
+        ask = request.GET.get("ask") == "1" and _within_rate(request)
         try:
-            rows, error = operations.in_flight(Trigger.ADMIN), None
-        except operations.SWEEP_ERRORS as exc:
-            rows, error = [], f"Could not judge the running tasks: {exc}"
-        shown = rows[:IN_FLIGHT_SHOWN]
+            judged, error = operations.in_flight(Trigger.ADMIN, page=_page(request), ask_workers=ask), None
+        except operations.Refused as exc:
+            judged, error = None, f"Could not judge the running tasks: {exc}"
         context = {
             **self.admin_site.each_context(request),
+            "orphans_notices": _notices(),
             "title": "In-flight tasks",
             "opts": self.model._meta,
-            "rows": shown,
-            "hidden": len(rows) - len(shown),
-            "counts": [
-                (verdict.value.replace("_", " "), count)
-                for verdict, count in Counter(r.verdict for r in rows).most_common()
-            ],
+            "judged": judged,
+            "rows": judged.rows if judged else [],
+            "counts": judged.counts if judged else [],
+            "age": f"{max(0.0, time.time() - judged.judged_at):.0f}" if judged else "",
             "error": error,
             "can_act": can_act,
             "actions": ACTIONS,
@@ -124,7 +153,16 @@ class OrphanEventAdmin(_ModelAdmin):
         if obj.checkpoint_saved_at is not None:
             saved = f"{obj.checkpoint_saved_at:%Y-%m-%d %H:%M:%S}"
             detail += f" (last checkpoint: {obj.checkpoint_bytes} bytes, saved {saved})"
-        return format_html('<span title="{}">{}</span>', detail, obj.reason) if detail else obj.reason
+        return format_html('<span title="{}">{}</span>', detail, _breakable(obj.reason))
+
+    @admin.display(description="evidence", ordering="evidence")
+    def evidence_explained(self, obj: OrphanEvent) -> str:
+        return format_html('<span title="{}">{}</span>', meaning(obj.evidence), _breakable(obj.evidence))
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        return super().changelist_view(request, {**(extra_context or {}), "orphans_notices": _notices()})
 
     @admin.display(description="trigger", ordering="trigger")
     def trigger_and_user(self, obj: OrphanEvent) -> str:
@@ -146,6 +184,50 @@ class OrphanEventAdmin(_ModelAdmin):
         return obj is None and super().has_view_permission(request)
 
 
+def _breakable(word: str) -> str:
+    """``word`` free to wrap after each underscore (``worker_answered_without_task``), escaped."""
+    return format_html_join(mark_safe("_<wbr>"), "{}", ((part,) for part in word.split("_")))
+
+
+def _notices() -> list[str]:
+    """What the admin says above its lists when the sweeps do not act as usual."""
+    found = []
+    if not settings.ENABLED:
+        found.append(
+            "celery-orphans is switched off (CELERY_ORPHANS_ENABLED): no sweep recovers or closes anything, "
+            "and the actions are refused; workers keep their leases and the ledger."
+        )
+    if settings.SHADOW_MODE:
+        found.append(
+            "Shadow mode (CELERY_ORPHANS_SHADOW_MODE): sweeps only record what they would do "
+            "(would recover, would mark terminal) and change nothing."
+        )
+    return found
+
+
+def _page(request: HttpRequest) -> int:
+    try:
+        return max(1, int(request.GET.get("p", "1")))
+    except ValueError:
+        return 1
+
+
+def _within_rate(request: HttpRequest) -> bool:
+    """Count a costly request of the user (an action, a broadcast to the workers); say so when over."""
+    try:
+        wait = operations.wait_for_rate(request.user, Trigger.ADMIN)
+    except operations.Refused:
+        return True  # not counted: the request itself meets the same fault and says so
+    if wait:
+        limit = operations.RATE_LIMIT
+        messages.error(
+            request,
+            f"Nothing was done: at most {limit.hits} actions or worker queries in {limit.seconds} s; "
+            f"try again in {wait} s.",
+        )
+    return not wait
+
+
 def _act(request: HttpRequest) -> None:
     """Carry out the chosen action on the selected tasks and say what became of each."""
     action = request.POST.get("action", "")
@@ -162,14 +244,15 @@ def _act(request: HttpRequest) -> None:
         messages.error(request, f"{exc}; nothing was done.")
         return
     try:
-        results = operations.act_on(
+        answer = operations.act_on(
             task_ids,
             mark_terminal=action == "mark_terminal",
             trigger=Trigger.ADMIN,
             user=request.user.get_username(),
         )
-    except operations.SWEEP_ERRORS as exc:
+    except operations.Refused as exc:
         messages.error(request, f"{ACTIONS[action]}: nothing was done: {exc}")
         return
-    for result in results:
-        messages.add_message(request, _LEVELS[result.level], result.message)
+    for result in answer.results:
+        level = messages.ERROR if result.failed else messages.WARNING if result.refused else messages.SUCCESS
+        messages.add_message(request, level, result.message)

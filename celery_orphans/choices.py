@@ -18,6 +18,11 @@ class AuditAction(models.TextChoices):
     WOULD_MARK_TERMINAL = "would_mark_terminal", "Would mark terminal (shadow mode)"
     WOULD_FORGET = "would_forget", "Would forget (shadow mode)"
     DUPLICATE_DROPPED = "duplicate_dropped", "Duplicate dropped (the task runs elsewhere)"
+    REPORTED = "reported", "Reported (a record that cannot be trusted; nothing sent)"
+    FAILED = "failed", "Failed (an action could not be carried out)"
+    REFUSED = "refused", "Refused (a request that did nothing)"
+    NOTHING_TO_DO = "nothing_to_do", "Swept with nothing to do"
+    CAP_LIFTED = "cap_lifted", "Recovery cap lifted (the next sweep recovers it once more)"
 
 
 class Trigger(models.TextChoices):

@@ -1,146 +1,59 @@
-"""Settings for celery-orphans, read lazily on every access.
+"""Settings for celery-orphans, read lazily on every access: each one declared, with its default.
 
 Each setting ``NAME`` is looked up as the Django setting ``CELERY_ORPHANS_NAME``, then the environment
 variable of the same name, then the documented default. Nothing is cached, so ``override_settings`` and
 pytest-django's ``settings`` fixture take effect at once, and nothing is ever written back into
-``django.conf.settings``.
+``django.conf.settings``. How one setting is read and its value checked: ``setting.py``.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, overload
+from typing import Any
 
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 
-PREFIX = "CELERY_ORPHANS_"
+from celery_orphans.setting import (
+    PREFIX,
+    Setting,
+    boolean,
+    groups,
+    key_prefix,
+    keys,
+    non_negative_float,
+    optional_positive_int,
+    optional_str,
+    positive_float,
+    positive_int,
+    secret,
+    token,
+)
+
+__all__ = ["FORFEIT_LATENCY_SECONDS", "PREFIX", "Setting", "Settings", "UnknownName", "settings"]
+
 # URL schemes of a Redis or Valkey the ledger can use; sentinel:// lists the sentinels of one master.
 REDIS_SCHEMES = frozenset({"redis", "rediss", "valkey", "valkeys", "sentinel"})
-T = TypeVar("T")
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _invalid(name: str, value: object, expected: str) -> ImproperlyConfigured:
-    return ImproperlyConfigured(f"{PREFIX}{name} must be {expected}, got {value!r}.")
-
-
-def _bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise _invalid(name, value, "a boolean (true/false)")
-
-
-def _number(name: str, value: object, *, minimum: float, integer: bool) -> Any:
-    if isinstance(value, bool):
-        raise _invalid(name, value, "a number")
-    try:
-        number = int(value) if integer else float(value)  # type: ignore[arg-type,call-overload]
-    except (TypeError, ValueError):
-        raise _invalid(name, value, "an integer" if integer else "a number") from None
-    if not math.isfinite(number):
-        raise _invalid(name, value, "a finite number")
-    if integer and isinstance(value, float) and not value.is_integer():
-        raise _invalid(name, value, "an integer")
-    if number < minimum:
-        raise _invalid(name, value, f"at least {minimum:g}")
-    return number
-
-
-def positive_int(name: str, value: object) -> int:
-    return int(_number(name, value, minimum=1, integer=True))
-
-
-def non_negative_int(name: str, value: object) -> int:
-    return int(_number(name, value, minimum=0, integer=True))
-
-
-def non_negative_float(name: str, value: object) -> float:
-    return float(_number(name, value, minimum=0, integer=False))
-
-
-def positive_float(name: str, value: object) -> float:
-    number = float(_number(name, value, minimum=0, integer=False))
-    if number == 0:
-        raise _invalid(name, value, "greater than 0")
-    return number
-
-
-def _optional_positive_int(name: str, value: object) -> int | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in {"", "none"}):
-        return None
-    return positive_int(name, value)
-
-
-def _optional_str(name: str, value: object) -> str | None:
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise _invalid(name, value, "a string")
-    return value
-
-
-def _key_prefix(name: str, value: object) -> str:
-    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-        raise _invalid(name, value, "a non-empty string without spaces")
-    return value
-
-
-def _groups(name: str, value: object) -> dict[str, bool]:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise _invalid(name, value, 'a JSON object such as {"summaries": true}') from None
-    if not isinstance(value, Mapping):
-        raise _invalid(name, value, "a mapping of group name to boolean")
-    return {str(group): _bool(f"{name}[{group!r}]", switch) for group, switch in value.items()}
+# How often the threads that enforce a worker's forfeit look at the clock: how late past the instant its
+# executions stop holding one of them may still act.
+FORFEIT_LATENCY_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
-class Setting(Generic[T]):
-    """One setting: its name without prefix, how to parse it, its default."""
+class UnknownName:
+    """A name with the ``CELERY_ORPHANS_`` prefix that is no setting, so nothing reads it (a typo, say)."""
 
     name: str
-    parse: Callable[[str, object], T]
-    default: T
-    doc: str
-
-    @property
-    def django_name(self) -> str:
-        return PREFIX + self.name
-
-    def read(self) -> T:
-        value = getattr(django_settings, self.django_name, _MISSING)
-        if value is _MISSING:
-            value = os.environ.get(self.django_name, _MISSING)
-        if value is _MISSING:
-            return self.default
-        return self.parse(self.name, value)
-
-    @overload
-    def __get__(self, instance: None, owner: type) -> Setting[T]: ...
-    @overload
-    def __get__(self, instance: object, owner: type) -> T: ...
-    def __get__(self, instance: object | None, owner: type) -> T | Setting[T]:
-        return self if instance is None else self.read()
-
-
-_MISSING: Any = object()
+    closest: str | None  # the setting it most resembles, if any does
 
 
 class Settings:
     """Typed access to every celery-orphans setting; see docs/settings.md."""
 
-    ENABLED = Setting("ENABLED", _bool, False, "Master switch for the reconcile sweep.")
+    ENABLED = Setting("ENABLED", boolean, False, "Master switch for the reconcile sweep.")
     GRACE_SECONDS = Setting(
         "GRACE_SECONDS",
         non_negative_float,
@@ -161,20 +74,39 @@ class Settings:
     )
     REDIS_URL = Setting(
         "REDIS_URL",
-        _optional_str,
+        optional_str,
         None,
         "Redis/Valkey for the ledger, leases and counters (redis://, rediss:// or sentinel://); defaults "
         "to a Redis broker URL.",
     )
     REDIS_SENTINEL_MASTER = Setting(
         "REDIS_SENTINEL_MASTER",
-        _optional_str,
+        optional_str,
         None,
         "The master's name the sentinels of a sentinel:// REDIS_URL watch; defaults to the broker's "
         "transport option master_name.",
     )
+    SIGNING_KEY = Setting(
+        "SIGNING_KEY",
+        secret,
+        None,
+        "Key of the tag that seals each ledger entry; None: Django's SECRET_KEY (and SECRET_KEY_FALLBACKS).",
+    )
+    SIGNING_KEY_FALLBACKS: Setting[list[str]] = Setting(
+        "SIGNING_KEY_FALLBACKS",
+        keys,
+        [],
+        "Earlier signing keys whose tags are still accepted while entries sealed with them drain.",
+    )
+    IN_FLIGHT_CACHE_SECONDS = Setting(
+        "IN_FLIGHT_CACHE_SECONDS",
+        non_negative_float,
+        5.0,
+        "How long the in-flight page's dry run is shared by every viewer before a load judges again; 0: "
+        "every load judges.",
+    )
     GROUPS: Setting[dict[str, bool]] = Setting(
-        "GROUPS", _groups, {}, "Per-group switches; a group not listed is on."
+        "GROUPS", groups, {}, "Per-group switches; a group not listed is on."
     )
     SWEEP_INTERVAL_SECONDS = Setting(
         "SWEEP_INTERVAL_SECONDS", positive_int, 5, "How often Beat runs the reconcile task."
@@ -184,6 +116,13 @@ class Settings:
     )
     LEASE_SECONDS = Setting(
         "LEASE_SECONDS", positive_float, 10.0, "How long a worker lease lives without renewal."
+    )
+    CLOCK_SKEW_SECONDS = Setting(
+        "CLOCK_SKEW_SECONDS",
+        non_negative_float,
+        0.5,
+        "How far the ledger Redis's clock may run ahead of a worker's over one lease (a clock step, a "
+        "failover to a replica whose clock differs): a worker gives its executions up this much sooner.",
     )
     INSPECT_TIMEOUT_SECONDS = Setting(
         "INSPECT_TIMEOUT_SECONDS",
@@ -202,36 +141,44 @@ class Settings:
     )
     BOOT_SWEEP = Setting(
         "BOOT_SWEEP",
-        _bool,
+        boolean,
         True,
         "When a worker boots, recover at once what an earlier boot of its node name left running.",
     )
     WATCH = Setting(
         "WATCH",
-        _bool,
+        boolean,
         True,
         "Let each worker sweep at once when its heartbeat sees another boot's lease lapse, or the "
         "process of a boot on its machine exit, instead of waiting for Beat's next sweep.",
     )
+    PRESENCE = Setting(
+        "PRESENCE",
+        boolean,
+        True,
+        "Let each worker hold a presence connection to the ledger's Redis, which Redis drops the moment "
+        "its process dies on a live host, so that its tasks are recovered a heartbeat and a half after "
+        "another worker's renewal sees it gone instead of once its lease lapses (worker/presence.py).",
+    )
     SHADOW_MODE = Setting(
         "SHADOW_MODE",
-        _bool,
+        boolean,
         False,
         "Decide and audit what would be done, without doing it: watch before switching recovery on.",
     )
     MAX_ORPHAN_AGE_SECONDS: Setting[int | None] = Setting(
         "MAX_ORPHAN_AGE_SECONDS",
-        _optional_positive_int,
+        optional_positive_int,
         86_400,
         "An orphan that started longer ago than this is marked terminal, not resurrected; None: no limit.",
     )
     MAX_RECOVERIES_PER_SWEEP: Setting[int | None] = Setting(
         "MAX_RECOVERIES_PER_SWEEP",
-        _optional_positive_int,
+        optional_positive_int,
         100,
         "Recover at most this many per sweep, oldest first; the rest wait for the next. None: no limit.",
     )
-    KEY_PREFIX = Setting("KEY_PREFIX", _key_prefix, "celery_orphans", "Prefix of every Redis key.")
+    KEY_PREFIX = Setting("KEY_PREFIX", key_prefix, "celery_orphans", "Prefix of every Redis key.")
     CHECKPOINT_TTL_SECONDS = Setting(
         "CHECKPOINT_TTL_SECONDS",
         positive_int,
@@ -245,8 +192,38 @@ class Settings:
         "Largest checkpoint, in bytes of JSON, that Checkpoint.save() accepts.",
     )
 
+    STATUS_TOKEN: Setting[str | None] = Setting(
+        "STATUS_TOKEN",
+        token,
+        None,
+        "A bearer token that may read status/ without a user, for a load balancer or an uptime probe.",
+    )
+
     def all(self) -> tuple[Setting[Any], ...]:
         return tuple(v for v in vars(type(self)).values() if isinstance(v, Setting))
+
+    def unknown_in_settings(self) -> list[UnknownName]:
+        """The ``CELERY_ORPHANS_*`` Django settings that name no setting: each is ignored."""
+        return self._unknown(name for name in dir(django_settings) if name.startswith(PREFIX))
+
+    def unknown_in_environment(self) -> list[UnknownName]:
+        """The environment variables that begin with the prefix, in any case, and name no setting."""
+        return self._unknown(name for name in os.environ if name.upper().startswith(PREFIX))
+
+    def _unknown(self, names: Iterable[str]) -> list[UnknownName]:
+        known = {setting.name for setting in self.all()}
+        found = []
+        for name in sorted(set(names)):
+            if name.startswith(PREFIX) and name[len(PREFIX) :] in known:
+                continue
+            closest = _closest(name[len(PREFIX) :].upper(), known)
+            found.append(UnknownName(name, PREFIX + closest if closest else None))
+        return found
+
+    def lease_margin(self) -> float:
+        """How long before its lease may lapse in Redis a worker gives its executions up: a heartbeat (a
+        renewal sent just before may be lost), the clock skew, and the forfeit's own latency."""
+        return self.HEARTBEAT_SECONDS + self.CLOCK_SKEW_SECONDS + FORFEIT_LATENCY_SECONDS
 
     def redis_url(self) -> str:
         """The Redis URL to use, falling back to the Celery broker URL when that is Redis."""
@@ -270,6 +247,16 @@ class Settings:
                 f"{PREFIX}REDIS_SENTINEL_MASTER (or the broker's transport option master_name)."
             )
         return str(name)
+
+
+def _closest(typed: str, known: set[str]) -> str | None:
+    """The setting ``typed`` most resembles: a close spelling, else the one setting it begins
+    (``GRACE`` for ``GRACE_SECONDS``)."""
+    close = difflib.get_close_matches(typed, sorted(known), n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    begun = [name for name in known if typed and name.startswith(typed)]
+    return begun[0] if len(begun) == 1 else None
 
 
 def _celery_broker_url() -> str | None:

@@ -10,7 +10,7 @@ from celery.local import PromiseProxy, Proxy
 from celery.utils.imports import symbol_by_name
 
 from celery_orphans.registry import POLICY_ATTR, RecoveryPolicy
-from celery_orphans.worker import fence
+from celery_orphans.worker import forfeit
 from celery_orphans.worker.request import recoverable_request_class
 
 TaskT = TypeVar("TaskT")
@@ -90,4 +90,4 @@ def _apply(task: Task[Any, Any], policy: RecoveryPolicy) -> None:
     if task.acks_late is None or bool(task.acks_late) == app_default:
         task.acks_late = True
     task.Request = recoverable_request_class(symbol_by_name(task.Request))  # type: ignore[assignment]
-    fence.guard_task(task)
+    forfeit.guard_task(task)

@@ -1,7 +1,11 @@
 """A ledger entry: the delivery a worker boot runs, exactly as the broker delivered it, and who runs it.
 
 An entry is sent again as stored, so reading one back checks every field that publishing relies on; an
-entry that fails a check is ``Unreadable``, never sent.
+entry that fails a check is ``Unreadable``, never sent. The worker that writes an entry seals it: the stored
+text ends in an HMAC-SHA256 tag over the entry's exact JSON (``django.core.signing``, salted, keyed by
+``CELERY_ORPHANS_SIGNING_KEY`` or Django's ``SECRET_KEY``, with their fallback keys for rotation). Write
+access to the ledger's Redis is not enough to make the sweep publish anything: an entry whose tag does not
+match is ``Unreadable``.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
+from django.conf import settings as django_settings
+from django.core import signing
 from kombu.utils.json import JSONEncoder, object_hook
 
-from celery_orphans.reconcile import SAFE_CONTENT_TYPES
+from celery_orphans.conf import settings
+from celery_orphans.rules import SAFE_CONTENT_TYPES
 
 HEADER = "celery_orphans"
 ENTRY_VERSION = 1
@@ -70,6 +77,10 @@ class Entry:
         del data["token"], data["handed_back_at"]
         return _ENCODER.encode(data)
 
+    def sealed(self) -> str:
+        """The entry as the ledger stores it: its JSON followed by its authentication tag."""
+        return signer().sign(self.to_json())
+
     @classmethod
     def from_json(cls, raw: str | bytes, token: str) -> Entry:
         """Parse a stored entry; ``ValueError`` says why one cannot be trusted to be sent again as is."""
@@ -97,6 +108,24 @@ class Entry:
             delivery=delivery,
             token=token,
         )
+
+
+# Salts the signing key, so a tag made for anything else Django signs with the same key never matches.
+SALT = "celery_orphans.ledger.entry"
+FORGED = (
+    "its authentication tag does not match: the entry was not written by a worker holding the signing key "
+    "(forged or altered in Redis, or sealed with a key that is no longer configured); never sent again"
+)
+
+
+def signer() -> signing.Signer:
+    """What seals and opens entries: ``SIGNING_KEY`` and its fallbacks, else ``SECRET_KEY`` and its."""
+    key = settings.SIGNING_KEY
+    fallbacks: list[bytes | str] = [*settings.SIGNING_KEY_FALLBACKS]
+    if key is None:
+        key = django_settings.SECRET_KEY
+        fallbacks += getattr(django_settings, "SECRET_KEY_FALLBACKS", [])
+    return signing.Signer(key=key, fallback_keys=fallbacks, salt=SALT, algorithm="sha256")
 
 
 # kombu's types in the headers (a datetime, say) come back as they went in, so the message is sent again
@@ -235,7 +264,11 @@ def parse(
     if raw is None:
         return None
     try:
-        entry = Entry.from_json(raw, (token or b"").decode())
+        stored = signer().unsign(raw.decode() if isinstance(raw, bytes) else raw)
+    except (signing.BadSignature, UnicodeDecodeError):
+        return Unreadable(FORGED)
+    try:
+        entry = Entry.from_json(stored, (token or b"").decode())
         if handed_back is not None:
             entry = dataclasses.replace(entry, handed_back_at=float(handed_back))
     except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as exc:

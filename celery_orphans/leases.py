@@ -12,7 +12,6 @@ every renewal reads both, so the workers themselves notice a lapsed lease or an 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,11 +19,11 @@ from typing import Any, NamedTuple
 
 import redis
 
-from celery_orphans import scripts
+from celery_orphans import logs, scripts
 from celery_orphans.processes import Process, exited
 from celery_orphans.store import Keys, client
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 
 class Boots(NamedTuple):
@@ -33,6 +32,7 @@ class Boots(NamedTuple):
     alive: frozenset[str]
     gone: frozenset[str]
     exited: frozenset[str]  # gone, and seen to exit by a process on its machine
+    presence_lost: frozenset[str] = frozenset()  # gone: Redis dropped its process's presence connection
 
 
 def fresh_boots(
@@ -86,6 +86,9 @@ def boot_states(
             alive=frozenset(b for b in records[node] if (node, b) in alive),
             gone=frozenset(b for b in records[node] if (node, b) not in alive),
             exited=frozenset(b for b, r in records[node].items() if r.exited and (node, b) not in alive),
+            presence_lost=frozenset(
+                b for b, r in records[node].items() if r.presence_lost and (node, b) not in alive
+            ),
         )
         for node in nodes
     }
@@ -103,10 +106,12 @@ def _pair(value: bytes | str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Seen:
-    """What a renewal saw: lapsed boots, and the other boots of its machine with their processes."""
+    """What a renewal saw: lapsed boots, the other boots of its machine with their processes, and the
+    boots whose presence is missing with the seconds left before it may be judged (``presence.py``)."""
 
     lapsed: list[tuple[str, str]] = field(default_factory=list)
     neighbours: list[tuple[str, str, Process]] = field(default_factory=list)
+    missing: list[tuple[str, str, float]] = field(default_factory=list)
 
     @classmethod
     def from_reply(cls, reply: list[Any], machine: str | None, own: tuple[str, str]) -> Seen:
@@ -128,6 +133,20 @@ def claim_lapsed(node: str, boot: str, conn: redis.Redis[bytes] | None = None) -
     return bool(claim(keys=[Keys.current().watch], args=[member(node, boot)]))
 
 
+def claim_presence_lost(node: str, boot: str, conn: redis.Redis[bytes] | None = None) -> bool:
+    """Record that the presence of ``boot`` is lost (``scripts.PRESENCE_LOST``); ``True`` for the one
+    caller that recorded it."""
+    conn = conn or client()
+    keys = Keys.current()
+    record = conn.register_script(scripts.PRESENCE_LOST)
+    return bool(
+        record(
+            keys=[keys.presence, keys.presence_ring, keys.watch, keys.lease(node, boot), keys.boots(node)],
+            args=[member(node, boot), boot],
+        )
+    )
+
+
 def record_exit(node: str, boot: str, process: Process, conn: redis.Redis[bytes] | None = None) -> bool:
     """Record that the process of ``boot`` exited; ``True`` for the one caller that recorded it."""
     conn = conn or client()
@@ -143,15 +162,24 @@ def record_exit(node: str, boot: str, process: Process, conn: redis.Redis[bytes]
 
 def drop(node: str, boot: str, machine: str | None, conn: redis.Redis[bytes] | None = None) -> None:
     """Remove every record of a boot that stops or gives up: a sweep need not wait for it to lapse."""
-    conn = conn or client()
-    keys = Keys.current()
-    pipe = conn.pipeline(transaction=False)
-    pipe.delete(keys.lease(node, boot))
-    pipe.hdel(keys.boots(node), boot)
-    pipe.zrem(keys.watch, member(node, boot))
-    if machine:
-        pipe.hdel(keys.machine(machine), member(node, boot))
+    pipe: Any = (conn or client()).pipeline(transaction=False)
+    for command in drop_commands(Keys.current(), node, boot, machine):
+        pipe.execute_command(*command)
     pipe.execute()
+
+
+def drop_commands(keys: Keys, node: str, boot: str, machine: str | None) -> list[tuple[str, ...]]:
+    """The commands of ``drop``."""
+    commands = [
+        ("DEL", keys.lease(node, boot)),
+        ("HDEL", keys.boots(node), boot),
+        ("ZREM", keys.watch, member(node, boot)),
+        ("HDEL", keys.presence, member(node, boot)),
+        ("ZREM", keys.presence_ring, member(node, boot)),
+    ]
+    if machine:
+        commands.append(("HDEL", keys.machine(machine), member(node, boot)))
+    return commands
 
 
 def _text(value: bytes | str) -> str:
@@ -160,21 +188,23 @@ def _text(value: bytes | str) -> str:
 
 class Renewal(NamedTuple):
     renewed: float  # ms, Redis's time
-    until: float  # ms, Redis's time; 0 once its process exited
+    until: float  # ms, Redis's time; 0 once its process exited or its presence was lost
     exited: bool
+    presence_lost: bool = False
 
 
 def _renewal(value: bytes | str | None) -> Renewal:
-    """A boot's record, ``renewed_ms:until_ms`` (or ``renewed_ms:0:exited``); zeros if unreadable."""
+    """A boot's record, ``renewed_ms:until_ms`` (or ``renewed_ms:0:exited``, ``renewed_ms:0:presence``);
+    zeros if unreadable."""
     renewed, _, rest = _text(value or b"").partition(":")
     until, _, mark = rest.partition(":")
     try:
-        return Renewal(float(renewed), float(until), mark == "exited")
+        return Renewal(float(renewed), float(until), mark == "exited", mark == "presence")
     except ValueError:
         return Renewal(0.0, 0.0, False)
 
 
-def last_beats(
+def last_heartbeats(
     pairs: Iterable[tuple[str, str]], conn: redis.Redis[bytes] | None = None
 ) -> dict[tuple[str, str], float]:
     """When each (node, boot) last renewed its lease, in seconds since the epoch by Redis's clock, for

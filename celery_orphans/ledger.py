@@ -3,7 +3,7 @@
 An entry (``entry.py``) is written by the worker's main process just before a task is handed to the pool,
 and removed when the message is acknowledged or rejected. The same Lua call that writes it checks the
 task's fence, so a copy of a task that was already recovered (or marked terminal) never runs; the
-scripts are in ``scripts.py``.
+scripts are in ``scripts/``.
 """
 
 from __future__ import annotations
@@ -11,13 +11,17 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
 
 from celery_orphans import scripts
 from celery_orphans.entry import Entry, Unreadable, parse
+from celery_orphans.replies import Admission as Admission
+from celery_orphans.replies import Fence as Fence
+from celery_orphans.replies import Lift as Lift
+from celery_orphans.replies import admission as admission
+from celery_orphans.replies import fence_of
 from celery_orphans.store import Keys, client
 
 if TYPE_CHECKING:
@@ -25,35 +29,6 @@ if TYPE_CHECKING:
 
 # Ids per load call: bounds how long one call holds Redis (a few ms); the calls share one pipeline.
 LOAD_CHUNK = 1000
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What admitting a delivery found, in the one call that recorded it."""
-
-    admitted: bool  # False: a stale copy or a duplicate, to drop
-    checkpoint: bool = False  # the task has a checkpoint
-    attempts: int = 0  # the fence's recovery count, this delivery's included
-    redelivered: bool = False  # it re-delivers an orphan's copy, and was counted as a recovery
-    limit_reached: bool = False  # it re-delivers an orphan's copy, but the count had reached the cap
-    duplicate: bool = False  # a copy of an execution that is alive: never run it
-    # The entry of the same copy it found: the execution that lost the task, or the live one it duplicates.
-    previous: Entry | Unreadable | None = None
-
-
-@dataclass(frozen=True)
-class Fence:
-    """A task's fence: the recoveries made, and the token of the entry the latest one claimed and sent."""
-
-    attempts: int = 0
-    claimed: str | None = None
-    sent: str | None = None
-
-    def sent_again(self, entry: Entry) -> bool:
-        return bool(entry.token) and self.sent == entry.token
-
-    def claimed_by_latest(self, entry: Entry) -> bool:
-        return bool(entry.token) and self.claimed == entry.token
 
 
 class Ledger:
@@ -69,6 +44,8 @@ class Ledger:
         self._release_many = client.register_script(scripts.RELEASE_MANY)
         self._unclaim = client.register_script(scripts.UNCLAIM)
         self._hand_back = client.register_script(scripts.HAND_BACK)
+        self._stale = client.register_script(scripts.STALE)
+        self._lift = client.register_script(scripts.LIFT)
 
     def admit_delivery(
         self,
@@ -93,6 +70,22 @@ class Ledger:
         """
         keys, args = self._admit_call(entry, releases, cap, ttl, lease, single_flight)
         return admission(entry.task_id, self._admit(keys=keys, args=args))
+
+    def admit_command(
+        self,
+        entry: Entry,
+        releases: Sequence[tuple[str, str]] = (),
+        *,
+        cap: int = 0,
+        ttl: int = 0,
+        lease: str = "",
+        single_flight: bool = False,
+    ) -> tuple[Any, ...]:
+        """``admit_delivery`` as one ``EVALSHA`` command, for a connection of the caller's own; its reply
+        is read by ``admission(entry.task_id, reply)``. Redis answers ``NoScriptError`` if it lost the
+        script: the same command with ``EVAL`` and ``scripts.ADMIT`` in place of the first two loads it."""
+        keys, args = self._admit_call(entry, releases, cap, ttl, lease, single_flight)
+        return (b"EVALSHA", scripts.ADMIT_SHA, len(keys), *keys, *args)
 
     def send_admit(
         self, conn: AbstractConnection, entry: Entry, releases: Sequence[tuple[str, str]], lease: str
@@ -130,15 +123,23 @@ class Ledger:
             d.retries,
             d.attempt,
             entry.token,
-            entry.to_json(),
+            entry.sealed(),
             entry.recorded_at,
             cap,
             ttl,
             lease,
             1 if single_flight else 0,
+            self.keys.boots(entry.node),
+            entry.boot,
             *(value for task_id, token in releases for value in (token, task_id)),
         ]
         return keys, args
+
+    def stale(self, entry: Entry) -> bool:
+        """Whether the task's fence has moved past ``entry``'s copy (as ``admit_delivery`` would find),
+        reading only."""
+        d = entry.delivery
+        return bool(self._stale(keys=[self.keys.fence(entry.task_id)], args=[d.retries, d.attempt]))
 
     def hand_back(self, task_id: str, token: str) -> bool:
         """Mark the entry written with ``token`` as handed back to the broker (see ``HAND_BACK``)."""
@@ -157,20 +158,45 @@ class Ledger:
         return int(self._release_many(keys=keys, args=args))
 
     def claim(
-        self, task_id: str, *, token: str, attempts: int, retries: int, ttl: int, mode: str
+        self,
+        task_id: str,
+        *,
+        token: str,
+        attempts: int,
+        retries: int,
+        ttl: int,
+        mode: scripts.ClaimMode,
+        keep: bool = False,
     ) -> int | None:
-        """Atomically take an orphan for ``mode`` (recover, complete, terminal, forget) if nothing moved.
+        """Atomically take an orphan for ``mode`` if nothing moved.
 
         For ``recover`` returns the new attempt number (the fence now drops every older copy);
         otherwise the recovery count. ``None`` when another sweep or a worker got there first, and for
         ``recover`` when the entry's delivery was already sent again; for ``complete`` unless the latest
-        recovery claimed this very entry.
+        recovery claimed this very entry. A ``terminal`` claim with ``keep`` (at the cap) keeps the entry
+        for ``ttl`` seconds, out of every sweep's sight, for ``lift``.
         """
         result = self._claim(
             keys=[self.keys.fence(task_id), self.keys.entry(task_id), self.keys.inflight],
-            args=[token, attempts, retries, ttl, mode, task_id, scripts.CLAIM_SECONDS],
+            args=[
+                token,
+                attempts,
+                retries,
+                ttl,
+                mode.value,
+                task_id,
+                scripts.CLAIM_SECONDS,
+                1 if keep else 0,
+            ],
         )
         return None if int(result) < 0 else int(result)
+
+    def lift(self, task_id: str) -> Lift:
+        """Lift the cap of a task marked terminal at it: the next sweep recovers it once more (``LIFT``)."""
+        done, attempts = self._lift(
+            keys=[self.keys.fence(task_id), self.keys.entry(task_id), self.keys.inflight], args=[task_id]
+        )
+        return Lift(int(done), int(attempts))
 
     def mark_sent(self, task_id: str, token: str) -> None:
         """Record that the delivery of the entry written with ``token`` was sent again."""
@@ -202,9 +228,9 @@ class Ledger:
         found: dict[str, Entry | Unreadable | None] = {}
         fences: dict[str, Fence] = {}
         for i, task_id in enumerate(task_ids):
-            token, raw, handed_back, attempts, claimed, sent = flat[6 * i : 6 * i + 6]
+            token, raw, handed_back, attempts, claimed, sent, lifted = flat[7 * i : 7 * i + 7]
             found[task_id] = parse(task_id, token, raw, handed_back)
-            fences[task_id] = _fence(attempts, claimed, sent)
+            fences[task_id] = fence_of(attempts, claimed, sent, lifted)
         return found, fences
 
     def attempts(self, task_ids: list[str]) -> dict[str, int]:
@@ -220,28 +246,6 @@ class Ledger:
         return int(self.client.zcard(self.keys.inflight))
 
 
-def admission(task_id: str, reply: list[Any]) -> Admission:
-    """What the admit script answered about the delivery of ``task_id``."""
-    written, attempts, redelivered, *found = reply
-    return Admission(
-        admitted=int(written) in (1, 2),
-        checkpoint=int(written) == 2,
-        attempts=int(attempts),
-        redelivered=int(redelivered) == 1,
-        limit_reached=int(redelivered) == 2,
-        duplicate=int(written) == 3,
-        previous=parse(task_id, b"", found[0] if found else None),
-    )
-
-
-def _fence(attempts: bytes | None, claimed: bytes | None, sent: bytes | None) -> Fence:
-    return Fence(
-        attempts=int(attempts) if attempts is not None else 0,
-        claimed=claimed.decode() if claimed else None,
-        sent=sent.decode() if sent else None,
-    )
-
-
 def ledger_for(keys: Keys | None = None) -> Ledger:
     """The ledger under ``keys`` (the configured prefix by default) on the configured Redis."""
     return _ledger(client(), keys or Keys.current())
@@ -251,7 +255,3 @@ def ledger_for(keys: Keys | None = None) -> Ledger:
 def _ledger(conn: redis.Redis[bytes], keys: Keys) -> Ledger:
     # One per client and prefix: building a Ledger hashes its Lua scripts, once per task otherwise.
     return Ledger(conn, keys)
-
-
-def now() -> float:
-    return time.time()

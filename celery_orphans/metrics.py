@@ -6,19 +6,13 @@ Metrics go to prometheus-client's default registry, which a project exposes as i
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-import redis
-
-from celery_orphans import leases
 
 try:
     import prometheus_client
 except ImportError:  # the extra is optional: without it every function here does nothing
     prometheus_client = None  # type: ignore[assignment]
 
-logger = logging.getLogger(__name__)
 _metrics: dict[str, Any] = {}
 
 # From a worker's death to its task being sent again: seconds, up to a few minutes.
@@ -55,12 +49,12 @@ def _get() -> dict[str, Any]:
     return _metrics
 
 
-def recovered(task_name: str, evidence: str, since_last_beat: float | None) -> None:
+def recovered(task_name: str, evidence: str, since_last_heartbeat: float | None) -> None:
     m = _get()
     if m:
         m["recovered"].labels(task_name=task_name, evidence=evidence).inc()
-        if since_last_beat is not None:
-            m["heartbeat_to_recovery"].observe(max(0.0, since_last_beat))
+        if since_last_heartbeat is not None:
+            m["heartbeat_to_recovery"].observe(max(0.0, since_last_heartbeat))
 
 
 def marked_terminal(task_name: str, reason: str) -> None:
@@ -69,11 +63,10 @@ def marked_terminal(task_name: str, reason: str) -> None:
         m["marked_terminal"].labels(task_name=task_name, reason=reason).inc()
 
 
-def swept(seconds: float) -> None:
+def swept(seconds: float, leases: int | None) -> None:
+    """A sweep took ``seconds``; ``leases`` worker boots held a live lease (``None``: not counted)."""
     m = _get()
     if m:
         m["sweep_duration"].observe(seconds)
-        try:
-            m["leases"].set(leases.count())
-        except redis.RedisError as exc:
-            logger.warning("celery-orphans: cannot count the leases for the metrics: %s", exc)
+        if leases is not None:
+            m["leases"].set(leases)

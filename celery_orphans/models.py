@@ -33,7 +33,11 @@ class OrphanEvent(models.Model):
     class Meta:
         ordering = ("-created_at", "-id")
         verbose_name = "orphan event"
-        permissions = (("recover_orphans", "Can recover or mark orphaned tasks terminal"),)
+        permissions = (
+            ("recover_orphans", "Can recover or mark orphaned tasks terminal"),
+            ("view_status", "Can read the status endpoint"),
+            ("lift_recovery_cap", "Can lift the recovery cap of a task marked terminal at it"),
+        )
 
     def __str__(self) -> str:
         return f"{self.get_action_display()} {self.task_name or '?'}[{self.task_id}]"

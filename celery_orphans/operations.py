@@ -1,175 +1,60 @@
-"""The operators' service: every running task's verdict, and acting on the tasks a person chose.
+"""The operators' service: the one room behind three doors, the admin, the HTTP API and the command.
 
-The admin's in-flight page and the HTTP endpoints (``views.py``) share it, so a person and a script see
-the same verdicts (one dry run of the sweep's own decision code) and get the same refusals.
+Each door asks here (a sweep now, a dry run of one, the running tasks' verdicts, the status, acting on
+the tasks a person chose) and gets the same answers: one ``Result`` per task, with one JSON shape and
+one ``Status`` vocabulary, and one error mapping, ``Refused`` (``refusals.py``): a lock held elsewhere,
+the master switch off, Redis, the database or the broker out of reach, a configuration that cannot
+work. Each is a sentence with its cause, never a traceback or a 500, and never a library's text with a
+password in it.
 """
 
 from __future__ import annotations
 
-import enum
-import logging
+import contextlib
+import getpass
+import os
+import socket
 import time
-from collections import Counter
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import redis
-from django.utils import timezone
-from kombu.exceptions import KombuError
+from celery import current_app
+from django.apps import apps
 
-from celery_orphans import leases
-from celery_orphans.choices import Trigger
+from celery_orphans import answers, inflight, leases, logs, ratelimit
+from celery_orphans.answers import Answer, Result, Status
+from celery_orphans.choices import AuditAction, Trigger
 from celery_orphans.conf import settings
-from celery_orphans.exceptions import CeleryOrphansError
-from celery_orphans.reconcile import Action, Decision, Evidence, Reason
+from celery_orphans.decision import Action
+from celery_orphans.ledger import ledger_for
+from celery_orphans.recovery import audit, lift
+from celery_orphans.recovery.outcome import Outcome
+from celery_orphans.refusals import Problem as Problem
+from celery_orphans.refusals import Refused as Refused
+from celery_orphans.refusals import cause as cause
+from celery_orphans.refusals import mapped
 from celery_orphans.store import Keys, client
-from celery_orphans.sweep.runner import run
-from celery_orphans.sweep.values import Options, Outcome, Report, SweepFailed
+from celery_orphans.sweep.runner import last_sweep, run
+from celery_orphans.sweep.values import Options, Report, SweepFailed
+from celery_orphans.verdicts import counted
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 PERMISSION = "celery_orphans.recover_orphans"
+LIFT_PERMISSION = "celery_orphans.lift_recovery_cap"  # lift a task's recovery cap: it is sent once more
+STATUS_PERMISSION = "celery_orphans.view_status"  # status/ only: for dashboards and probes
 MAX_TASK_IDS = 1000
 MAX_TASK_ID_LENGTH = 255  # TaskResult.task_id
-# What a sweep raises when a service it needs is down or busy: shown to the operator, never a 500.
-SWEEP_ERRORS = (CeleryOrphansError, KombuError, OSError)
+# What one user may ask for in a sliding minute, through the admin and the HTTP API together: actions,
+# sweeps and in-flight loads that ask the workers.
+RATE_LIMIT = ratelimit.Limit(hits=5, seconds=60)
+RATE_LIMITED = "rate_limited"  # the reason an audit row gives for a request over the limit
 
 
-class SwitchedOff(CeleryOrphansError):
-    """``CELERY_ORPHANS_ENABLED`` is off: nothing is changed, as with the management command."""
-
-
-class Verdict(str, enum.Enum):
-    ALIVE = "alive"
-    IN_GRACE = "in_grace"
-    HANDED_BACK = "handed_back"
-    WILL_RECOVER = "will_recover"
-    WILL_MARK_TERMINAL = "will_mark_terminal"
-    NOT_RECOVERABLE = "not_recoverable"
-    DEFERRED = "deferred"
-    FINISHED = "finished"
-    UNREADABLE = "unreadable"
-
-
-def verdict(d: Decision) -> tuple[Verdict, str]:
-    """The verdict on one running task, and how a person reads it."""
-    if d.action is Action.LEAVE:
-        if d.reason is Reason.IN_GRACE:
-            return Verdict.IN_GRACE, "in grace"
-        if d.reason is Reason.DEFERRED:
-            return Verdict.DEFERRED, f"orphan (deferred: {d.detail})"
-        if d.reason is Reason.HANDED_BACK:
-            return Verdict.HANDED_BACK, "handed back to the broker"
-        if d.reason is Reason.ALREADY_FINISHED:
-            return Verdict.FINISHED, f"finished ({d.detail})"
-        return Verdict.ALIVE, "alive"
-    if d.action is Action.RECOVER:
-        if d.reason is Reason.ALREADY_SENT:
-            return Verdict.WILL_RECOVER, f"orphan (sent again as recovery {d.attempt}; not yet recorded)"
-        return Verdict.WILL_RECOVER, "orphan (will be recovered)"
-    if d.action is Action.MARK_TERMINAL:
-        if d.reason is Reason.NOT_RECOVERABLE:
-            return Verdict.NOT_RECOVERABLE, "not recoverable"
-        return Verdict.WILL_MARK_TERMINAL, f"orphan (will be marked terminal: {d.detail})"
-    if d.action is Action.FORGET:
-        return Verdict.FINISHED, f"finished ({d.detail})"
-    return Verdict.UNREADABLE, f"unreadable: {d.detail}"
-
-
-@dataclass(frozen=True)
-class InFlight:
-    """One running task as the sweep would judge it now."""
-
-    outcome: Outcome
-    verdict: Verdict
-    label: str
-    beat_age: float | None  # seconds since its worker boot last renewed its lease; None: none on record
-
-    @property
-    def beat_age_text(self) -> str:
-        return "no heartbeat on record" if self.beat_age is None else _ago(self.beat_age)
-
-    @property
-    def started_at(self) -> datetime | None:
-        return self.outcome.started_at
-
-    @property
-    def started_text(self) -> str:
-        if self.started_at is None:
-            return "—"
-        return _ago((timezone.now() - self.started_at).total_seconds())
-
-
-def _ago(seconds: float) -> str:
-    whole = max(0, round(seconds))
-    if whole < 120:
-        return f"{whole} s ago"
-    return f"{whole // 60} min ago" if whole < 7200 else f"{whole // 3600} h ago"
-
-
-def counted(decisions: Iterable[list[Any]]) -> tuple[dict[str, int], dict[str, int]]:
-    """Tasks by verdict, and the orphans among them, from ``[action, reason, evidence, count]`` rows
-    (as the last sweep recorded them)."""
-    running: Counter[str] = Counter()
-    orphans: Counter[str] = Counter()
-    for action, reason, evidence, count in decisions:
-        d = Decision("", Action(action), Reason(reason), Evidence(evidence))
-        shown = verdict(d)[0].value
-        running[shown] += count
-        if d.orphaned:
-            orphans[shown] += count
-    every = [v.value for v in Verdict]
-    return (
-        {"total": sum(running.values()), **{v: running[v] for v in every}},
-        {"total": sum(orphans.values()), **{v: orphans[v] for v in every}},
-    )
-
-
-def in_flight(trigger: Trigger) -> list[InFlight]:
-    """Every running task with its verdict, from one dry run; raises what ``sweep.run`` raises."""
-    report = run(Options(trigger=trigger, dry_run=True))
-    ages = _beat_ages(report.outcomes)
-    return [InFlight(o, *verdict(o.decision), beat_age=ages.get(o.decision.task_id)) for o in report.outcomes]
-
-
-def _beat_ages(outcomes: Iterable[Outcome]) -> dict[str, float]:
-    """Seconds since each task's owner last beat: its boot's, or the node's newest one without an entry."""
-    owners: dict[str, list[tuple[str, str]]] = {}
-    try:
-        conn, keys = client(), Keys.current()
-        nameless = sorted({o.worker for o in outcomes if o.worker and o.boot is None})
-        pipe = conn.pipeline(transaction=False)
-        for node in nameless:
-            pipe.hkeys(keys.boots(node))
-        boots = {node: [b.decode() for b in found] for node, found in zip(nameless, pipe.execute())}
-        for o in outcomes:
-            owners[o.decision.task_id] = (
-                [(o.worker, o.boot)] if o.boot else [(o.worker, b) for b in boots.get(o.worker, [])]
-            )
-        beats = leases.last_beats({pair for pairs in owners.values() for pair in pairs}, conn)
-    except redis.RedisError as exc:
-        logger.warning("celery-orphans: could not read the workers' last heartbeats: %s", exc)
-        return {}
-    now = time.time()
-    return {
-        task_id: now - max(beats[p] for p in pairs if p in beats)
-        for task_id, pairs in owners.items()
-        if any(p in beats for p in pairs)
-    }
-
-
-@dataclass(frozen=True)
-class Result:
-    """What an operator's action did to one task."""
-
-    task_id: str
-    task_name: str
-    worker: str
-    status: str  # recovered, marked_terminal, would_..., not_found, failed, or the reason it was refused
-    level: str  # done, refused or failed
-    message: str
+def _require_enabled() -> None:
+    if not settings.ENABLED:
+        raise Refused(Problem.SWITCHED_OFF, "CELERY_ORPHANS_ENABLED is off: nothing was changed")
 
 
 def clean_task_ids(value: object) -> frozenset[str]:
@@ -184,20 +69,66 @@ def clean_task_ids(value: object) -> frozenset[str]:
     return frozenset(value)
 
 
-def _require_enabled() -> None:
-    if not settings.ENABLED:
-        raise SwitchedOff("CELERY_ORPHANS_ENABLED is off: nothing was changed")
+def shell_user() -> str:
+    """Who runs a command from a shell or cron, as the audit log names them: the operating system's user
+    and host (``deploy@web-1``), as the admin and the API name their logged-in user."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):  # no login name in the environment, and a uid without a passwd entry
+        name = f"uid {os.getuid()}" if hasattr(os, "getuid") else "unknown user"
+    return f"{name}@{socket.gethostname()}"[:150]
 
 
-def sweep_all(trigger: Trigger, user: str) -> Report:
-    """One whole sweep now, as Beat would run it, audited under ``user``."""
-    _require_enabled()
-    return run(Options(trigger=trigger, user=user))
+def sweep(
+    trigger: Trigger,
+    user: str = "",
+    *,
+    dry_run: bool = False,
+    grace_seconds: float | None = None,
+    max_attempts: int | None = None,
+) -> Answer:
+    """One whole sweep now, as Beat would run it, audited under ``user``; a dry run changes nothing.
+
+    A sweep that is refused, or that finds nothing to do, is audited too (not a dry run)."""
+    options = Options(
+        trigger=trigger, dry_run=dry_run, grace_seconds=grace_seconds, max_attempts=max_attempts, user=user
+    )
+    with _refusals_audited(trigger, user, audited=not dry_run):
+        if not dry_run:
+            _require_enabled()
+        report, error = _run(options)
+    if not dry_run and error is None and not any(o.done for o in report.outcomes):
+        summary = report.summary()
+        audit.record_event(
+            AuditAction.NOTHING_TO_DO, reason="nothing_to_do", detail=summary, trigger=trigger, user=user
+        )
+    return answers.answer(report, None, error)
 
 
-def act_on(task_ids: Collection[str], *, mark_terminal: bool, trigger: Trigger, user: str) -> list[Result]:
-    """Recover (or mark terminal) the chosen tasks now, refusing live ones; one result per task id."""
-    _require_enabled()
+def act_on(task_ids: Collection[str], *, mark_terminal: bool, trigger: Trigger, user: str) -> Answer:
+    """Recover (or mark terminal) the chosen tasks now, refusing live ones; one result per task id.
+
+    Every task refused, and a request refused whole, is audited under ``user``."""
+    with _refusals_audited(trigger, user):
+        _require_enabled()
+        answer = _act_on(task_ids, mark_terminal, trigger, user)
+    for result in answer.results:
+        if result.refused:
+            o = result.outcome
+            audit.record_event(
+                AuditAction.REFUSED,
+                reason=result.status.value,
+                detail=result.message,
+                trigger=trigger,
+                user=user,
+                task_id=result.task_id,
+                task_name=o.task_name if o else "",
+                worker=o.worker if o else "",
+            )
+    return answer
+
+
+def _act_on(task_ids: Collection[str], mark_terminal: bool, trigger: Trigger, user: str) -> Answer:
     wanted = Action.MARK_TERMINAL if mark_terminal else Action.RECOVER
     options = Options(
         trigger=trigger,
@@ -207,51 +138,139 @@ def act_on(task_ids: Collection[str], *, mark_terminal: bool, trigger: Trigger, 
         acts=frozenset({wanted}),
         mark_terminal=mark_terminal,
     )
-    try:
-        report = run(options)
-    except SweepFailed as exc:
-        report = exc.report
-    results, stopped = [], False
-    for o in report.outcomes:
-        results.append(_result(o, wanted, shadow=report.shadow, stopped=stopped))
-        stopped = stopped or o.error is not None
+    report, error = _run(options)
+    _forget_verdicts()
+    answer = answers.answer(report, wanted, error)
     missing = sorted(set(task_ids) - {o.decision.task_id for o in report.outcomes})
     gone = "no running task has this id (it ended or never ran)"
-    results += [Result(t, "", "", "not_found", "refused", f"{t}: {gone}.") for t in missing]
-    return results
+    answer.results.extend(Result(t, Status.NOT_FOUND, f"{t}: {gone}.") for t in missing)
+    return answer
 
 
-def _result(o: Outcome, wanted: Action, *, shadow: bool, stopped: bool) -> Result:
-    d = o.decision
-    ref = f"{o.task_name or '?'}[{d.task_id}]"
-    verb = "recover" if wanted is Action.RECOVER else "mark terminal"
+def lift_caps(task_ids: Collection[str], *, trigger: Trigger, user: str) -> list[lift.Lifted]:
+    """Lift the recovery cap of each chosen task marked terminal at it, so the next sweep recovers it once
+    more; one ``Lifted`` per task id. Each lift, each task refused and a request refused whole is audited
+    under ``user``."""
+    with _refusals_audited(trigger, user):
+        _require_enabled()
+        with mapped():
+            done = lift.lift(current_app, ledger_for(), task_ids, trigger=trigger, user=user)
+    for result in done:
+        if not result.lifted:
+            audit.record_event(
+                AuditAction.REFUSED,
+                reason="not_capped",
+                detail=result.message,
+                trigger=trigger,
+                user=user,
+                task_id=result.task_id,
+                task_name=result.task_name,
+                worker=result.worker,
+            )
+    _forget_verdicts()
+    return done
 
-    def result(status: str, level: str, message: str) -> Result:
-        return Result(d.task_id, o.task_name, o.worker, status, level, message)
 
-    if o.error is not None:
-        return result("failed", "failed", f"Could not {verb} {ref}: {o.error}. Nothing after it was tried.")
-    if d.action is wanted and o.done and shadow:
-        would = "be recovered" if wanted is Action.RECOVER else "be marked terminal"
-        return result(
-            f"would_{wanted.value}", "done", f"Shadow mode: only recorded that {ref} would {would}."
+@contextlib.contextmanager
+def _refusals_audited(trigger: Trigger, user: str, *, audited: bool = True) -> Iterator[None]:
+    """Audit an operation refused whole (locked, switched off, a service out of reach), then let it go on."""
+    try:
+        yield
+    except Refused as exc:
+        if audited:
+            audit.record_event(
+                AuditAction.REFUSED, reason=exc.problem.value, detail=str(exc), trigger=trigger, user=user
+            )
+        raise
+
+
+def _run(options: Options) -> tuple[Report, str | None]:
+    """The sweep's report, and why it stopped part way (``None``: it did not)."""
+    with mapped():
+        try:
+            return run(options), None
+        except SweepFailed as exc:
+            return exc.report, str(exc)
+
+
+def in_flight(trigger: Trigger, *, page: int = 1, ask_workers: bool = False) -> inflight.Judged:
+    """A page of the running tasks with their verdicts, from a dry run shared for a few seconds by every
+    viewer (``inflight.py``); the workers are broadcast to only with ``ask_workers``."""
+
+    def judge(ask: bool) -> list[Outcome]:
+        return run(Options(trigger=trigger, dry_run=True, ask_workers=ask)).outcomes
+
+    with mapped():
+        return inflight.page_of(judge, _heartbeat_ages, page=page, ask_workers=ask_workers)
+
+
+def status() -> dict[str, Any]:
+    """What the last whole sweep recorded, the leases held now and the newest audit row (docs/api.md)."""
+    with mapped():
+        swept = last_sweep()
+        lease_count = leases.count()
+        last = (
+            apps.get_model("celery_orphans", "OrphanEvent")
+            .objects.values("created_at", "action", "task_id", "task_name", "trigger", "triggered_by")
+            .order_by("-created_at", "-id")
+            .first()
         )
-    if d.action is Action.RECOVER and o.done:
-        return result("recovered", "done", f"Recovered {ref} (attempt {d.attempt}): sent again.")
-    if d.action is Action.MARK_TERMINAL and o.done:
-        return result("marked_terminal", "done", f"Marked {ref} terminal: its result is now FAILURE.")
-    if d.action is wanted:
-        if stopped:
-            return result("not_attempted", "failed", f"Did not {verb} {ref}: an earlier task failed.")
-        return result("changed", "refused", f"Left {ref}: it changed while being checked; look again.")
-    if d.reason is Reason.ALIVE:
-        why = f"worker {o.worker} is alive and still has it ({d.evidence.value.replace('_', ' ')})"
-    elif d.reason is Reason.NOT_RECOVERABLE:
-        why = f"{o.task_name} is not marked @recoverable, so it is never sent again"
-    elif d.reason is Reason.IN_GRACE:
-        why = "it started too recently to judge"
-    else:
-        why = d.detail or d.reason.value.replace("_", " ")
-    left = "; it was left as it is (close it with the admin's “Mark terminal”)"
-    left = left if d.action is Action.MARK_TERMINAL else ""
-    return result(d.reason.value, "refused", f"Refused to {verb} {ref}: {why}{left}.")
+    running, orphans = counted(swept.pop("decisions")) if swept else (None, None)
+    return {
+        "enabled": settings.ENABLED,
+        "shadow_mode": settings.SHADOW_MODE,
+        "last_sweep": swept,
+        "in_flight": running,
+        "orphans": orphans,
+        "leases": lease_count,
+        "last_action": last,
+    }
+
+
+def wait_for_rate(user: Any, trigger: Trigger, limit: ratelimit.Limit = RATE_LIMIT) -> int:
+    """Count one costly request of ``user`` (an action, a sweep, a broadcast to the workers), through any
+    door; the seconds to wait when over ``limit``, else 0. A refusal is audited once per window."""
+    with mapped():
+        wait = ratelimit.hit(f"user:{user.pk}", limit)
+    name = user.get_username()
+    if wait and not audit.refused_lately(name, RATE_LIMITED, limit.seconds):
+        detail = f"more than {limit.hits} actions or worker queries in {limit.seconds} s"
+        audit.record_event(
+            AuditAction.REFUSED, reason=RATE_LIMITED, detail=detail, trigger=trigger, user=name
+        )
+    return wait
+
+
+def _forget_verdicts() -> None:
+    """The in-flight page judges again at its next load, so an operator sees what their action did."""
+    try:
+        inflight.forget()
+    except redis.RedisError as exc:
+        logger.warning("could not drop the in-flight page's shared verdicts: %s", exc)
+
+
+def _heartbeat_ages(outcomes: Iterable[Outcome]) -> dict[str, float]:
+    """Seconds since each task's owner last renewed its lease: its boot, or the node's newest boot for a
+    task without an entry."""
+    owners: dict[str, list[tuple[str, str]]] = {}
+    try:
+        conn, keys = client(), Keys.current()
+        nameless = sorted({o.worker for o in outcomes if o.worker and o.boot is None})
+        pipe = conn.pipeline(transaction=False)
+        for node in nameless:
+            pipe.hkeys(keys.boots(node))
+        boots = {node: [b.decode() for b in found] for node, found in zip(nameless, pipe.execute())}
+        for o in outcomes:
+            owners[o.decision.task_id] = (
+                [(o.worker, o.boot)] if o.boot else [(o.worker, b) for b in boots.get(o.worker, [])]
+            )
+        heartbeats = leases.last_heartbeats({pair for pairs in owners.values() for pair in pairs}, conn)
+    except redis.RedisError as exc:
+        logger.warning("could not read the workers' last heartbeats: %s", exc)
+        return {}
+    now = time.time()
+    return {
+        task_id: now - max(heartbeats[p] for p in pairs if p in heartbeats)
+        for task_id, pairs in owners.items()
+        if any(p in heartbeats for p in pairs)
+    }

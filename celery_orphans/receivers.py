@@ -3,52 +3,67 @@
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
+from celery_orphans import logs, preflight
 from celery_orphans.conf import settings
 from celery_orphans.sweep import boot, watch
-from celery_orphans.worker import fence, heartbeat
+from celery_orphans.worker import forfeit, handover, lifecycle
 from celery_orphans.worker.outbox import outbox
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 
 def worker_init(sender: Any = None, **kwargs: Any) -> None:
-    """Take this boot's lease before the worker consumes a message, so that every delivery is recorded
-    and checked under it: on RabbitMQ, messages are handed to the worker while it subscribes, before it
-    says it is ready."""
+    """Stop a worker whose configuration the checks reject (``preflight``); else take this boot's lease
+    before the worker consumes a message, so that every delivery is recorded and checked under it: on
+    RabbitMQ, messages are handed to the worker while it subscribes, before it says it is ready."""
     node = getattr(sender, "hostname", None)
     if not node:
         return
+    preflight.check_worker(node)
     on_renewed = (
         watch.Watch(getattr(sender, "app", None)).seen if settings.ENABLED and settings.WATCH else None
     )
     try:
-        heartbeat.take(node, functools.partial(_stop_executions, sender), on_renewed)
+        heartbeat = lifecycle.take(node, functools.partial(_stop_executions, sender), on_renewed)
     except ImproperlyConfigured as exc:
-        logger.error("celery-orphans: worker %s runs without a lease: %s", node, exc)
+        logger.error("worker %s runs without a lease: %s", node, exc)
+        return
+    if heartbeat.leased and getattr(sender, "pool_start_method", "fork") != "fork":
+        # Its pool processes are spawned, never forked, so the heartbeat's threads may run from now on:
+        # they keep the lease through the pool's start, which a spawned pool makes slow.
+        heartbeat.start()
 
 
 def _stop_executions(worker: Any, generation: int) -> int:
     # The pool is made after worker_init: look it up when a boot is given up.
-    return fence.stop_executions(getattr(worker, "pool", None), generation)
+    return forfeit.stop_executions(getattr(worker, "pool", None), generation)
+
+
+def worker_before_create_process(sender: Any = None, **kwargs: Any) -> None:
+    """The prefork pool is about to make a process: hand it the validity's memory (``handover.py``)."""
+    handover.before_create_process(sender)
 
 
 def worker_ready(sender: Any = None, **kwargs: Any) -> None:
     """Keep the lease alive from now on (the pool has forked), and look for what the previous boot of
     this node name left running."""
-    beat = heartbeat.current()
-    if beat is None:
+    heartbeat = lifecycle.current()
+    if heartbeat is None:
         return
-    beat.start()
+    heartbeat.start()
     if settings.ENABLED and settings.BOOT_SWEEP:
-        boot.start(getattr(sender, "app", None), beat.node, beat.boot, timezone.now())
+        # It needs the ledger: a worker that could not reach it at start sweeps once it holds its lease.
+        booted_at, boot_id = timezone.now(), heartbeat.boot
+        heartbeat.when_taken(
+            lambda: boot.sweep_in_background(getattr(sender, "app", None), heartbeat.node, boot_id, booted_at)
+        )
 
 
 def worker_shutdown(**kwargs: Any) -> None:
     outbox.flush()  # the entries of tasks acknowledged just before the shutdown
-    heartbeat.stop()
+    lifecycle.stop()

@@ -48,16 +48,6 @@ def load_tasks(app: Celery | None = None) -> None:
         raise
 
 
-def policy_for(name: str, app: Celery | None = None) -> RecoveryPolicy | None:
-    """The policy of the task registered under ``name``; ``None`` if unknown or not recoverable."""
-    task = (app or current_app).tasks.get(name)
-    return None if task is None else policy_of(task)
-
-
-def is_registered(name: str, app: Celery | None = None) -> bool:
-    return name in (app or current_app).tasks
-
-
 def recoverable_tasks(app: Celery | None = None) -> dict[str, RecoveryPolicy]:
     """Every recoverable task of the app, by name."""
     found: dict[str, RecoveryPolicy] = {}

@@ -7,51 +7,49 @@ They serve the operators' service (``operations.py``) over HTTP; docs/api.md des
     ``at``, ``age_seconds``, ``trigger``, ``ok``, ``summary``, ``error``; ``null`` before the first), the
     tasks it saw running counted by verdict (``in_flight``) and the orphans among them (``orphans``), how
     many worker boots hold a lease now, and the latest audit-log entry as ``last_action``. It runs no
-    sweep and asks no worker. 503 when Redis cannot be reached.
+    sweep and asks no worker. 503 when Redis or the database cannot be reached.
 ``POST sweep/``
     An empty body or ``{}`` runs one sweep now; ``{"task_ids": ["...", ...]}`` recovers only those tasks,
-    at once (no grace), refusing live ones and never marking any terminal, with one result per id. 400
-    for a body that is not that; 409 while another sweep runs or with ``CELERY_ORPHANS_ENABLED`` off;
-    503 without Redis, or when carrying out an action failed (the body says which).
+    at once (no grace), refusing live ones and never marking any terminal. Either way the answer is
+    ``answers.Answer``'s JSON: a summary and one result per task. 400 for a body that is not that;
+    409 while another sweep runs or with ``CELERY_ORPHANS_ENABLED`` off; 503 without Redis, the database
+    or the broker, or when carrying out an action failed (the body says which).
 
 Both read ``request.user``, so whatever authentication the project runs (sessions, or a middleware that
 sets the user from a token) applies: 401 without a user, 403 without the permission
-``celery_orphans.recover_orphans``. The POST is CSRF-protected and limited per user to ``RATE_LIMIT``
-(5 requests in 60 seconds, counted in Redis before the body is read): 429 with ``Retry-After`` beyond it.
+``celery_orphans.recover_orphans``. ``status/`` needs only ``celery_orphans.view_status`` (or
+``recover_orphans``), or no user at all with ``Authorization: Bearer <CELERY_ORPHANS_STATUS_TOKEN>``.
+The POST is CSRF-protected and limited per user to ``RATE_LIMIT`` (5 requests in any 60 seconds, a
+sliding window counted in Redis before the body is read, together with the same user's admin actions):
+429 with ``Retry-After`` beyond it.
 Every action is written to the audit log with the trigger ``api`` and the user's name.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import hmac
 import json
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_protect
 
-from celery_orphans import leases, ratelimit
+from celery_orphans import operations
 from celery_orphans.conf import settings
-from celery_orphans.exceptions import SweepLocked
-from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.operations import (
-    PERMISSION,
-    SWEEP_ERRORS,
-    SwitchedOff,
-    act_on,
-    clean_task_ids,
-    counted,
-    sweep_all,
-)
-from celery_orphans.reconcile import Action
-from celery_orphans.sweep.runner import last_sweep
-from celery_orphans.sweep.values import Report, SweepFailed
+from celery_orphans.models import Trigger
+from celery_orphans.operations import PERMISSION, STATUS_PERMISSION, Problem, Refused
 
-RATE_LIMIT = ratelimit.Limit(hits=5, seconds=60)
+RATE_LIMIT = operations.RATE_LIMIT
+# The one HTTP status of each reason an operation did nothing.
+STATUS_OF = {
+    Problem.LOCKED: 409,
+    Problem.SWITCHED_OFF: 409,
+    Problem.UNAVAILABLE: 503,
+    Problem.MISCONFIGURED: 503,
+}
 
 View = Callable[[HttpRequest], HttpResponse]
 
@@ -60,62 +58,64 @@ def _error(status: int, message: str, **extra: Any) -> JsonResponse:
     return JsonResponse({"error": message, **extra}, status=status)
 
 
-def _endpoint(method: str) -> Callable[[View], View]:
-    """Allow one method, to a user with the permission; answer JSON for every refusal."""
+def _refused(exc: Refused) -> JsonResponse:
+    return _error(STATUS_OF[exc.problem], str(exc), problem=exc.problem.value)
+
+
+def _token_given(request: HttpRequest) -> bool:
+    """Whether the request carries ``Authorization: Bearer`` with the status token, when one is set."""
+    token = settings.STATUS_TOKEN
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    return (
+        token is not None
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(given.strip().encode(), token.encode())
+    )
+
+
+def _refusal(request: HttpRequest, permissions: tuple[str, ...]) -> JsonResponse | None:
+    if not request.user.is_authenticated:
+        return _error(401, "authentication required")
+    if not any(request.user.has_perm(p) for p in permissions):
+        return _error(403, f"the permission {' or '.join(permissions)} is required")
+    return None
+
+
+def _endpoint(method: str, *permissions: str, token: bool = False) -> Callable[[View], View]:
+    """Allow one method, to a user with one of the permissions (or the status token, where ``token``);
+    answer JSON for every refusal."""
 
     def decorate(view: View) -> View:
         @functools.wraps(view)
         def wrapper(request: HttpRequest) -> HttpResponse:
-            if not request.user.is_authenticated:
-                return _error(401, "authentication required")
-            if not request.user.has_perm(PERMISSION):
-                return _error(403, f"the permission {PERMISSION} is required")
+            refused = None if token and _token_given(request) else _refusal(request, permissions)
+            if refused is not None:
+                return refused
             if request.method != method:
                 response = _error(405, f"use {method}")
                 response["Allow"] = method
                 return response
-            return view(request)
+            try:
+                return view(request)
+            except Refused as exc:
+                return _refused(exc)
 
         return never_cache(wrapper)
 
     return decorate
 
 
-@_endpoint("GET")
+@_endpoint("GET", STATUS_PERMISSION, PERMISSION, token=True)
 def status(request: HttpRequest) -> HttpResponse:
     """What the last sweep found, and the leases now; see the module docstring."""
-    try:
-        swept = last_sweep()
-        lease_count = leases.count()
-    except redis.RedisError as exc:
-        return _error(503, f"cannot reach Redis: {exc}")
-    running, orphans = counted(swept.pop("decisions")) if swept else (None, None)
-    last = (
-        OrphanEvent.objects.values("created_at", "action", "task_id", "task_name", "trigger", "triggered_by")
-        .order_by("-created_at", "-id")
-        .first()
-    )
-    return JsonResponse(
-        {
-            "enabled": settings.ENABLED,
-            "shadow_mode": settings.SHADOW_MODE,
-            "last_sweep": swept,
-            "in_flight": running,
-            "orphans": orphans,
-            "leases": lease_count,
-            "last_action": last,
-        }
-    )
+    return JsonResponse(operations.status())
 
 
-@_endpoint("POST")
+@_endpoint("POST", PERMISSION)
 @csrf_protect
 def sweep_now(request: HttpRequest) -> HttpResponse:
     """Run a sweep, or recover the given task ids; see the module docstring."""
-    try:
-        wait = ratelimit.hit(f"api:{request.user.pk}", RATE_LIMIT)
-    except redis.RedisError as exc:
-        return _error(503, f"cannot reach Redis: {exc}")
+    wait = operations.wait_for_rate(request.user, Trigger.API)
     if wait:
         limit = f"at most {RATE_LIMIT.hits} requests in {RATE_LIMIT.seconds} s"
         response = _error(429, limit, retry_after=wait)
@@ -126,18 +126,12 @@ def sweep_now(request: HttpRequest) -> HttpResponse:
     except ValueError as exc:
         return _error(400, str(exc))
     user = request.user.get_username()
-    try:
-        if task_ids is None:
-            return _swept(sweep_all(Trigger.API, user))
-        results = act_on(task_ids, mark_terminal=False, trigger=Trigger.API, user=user)
-    except SweepFailed as exc:
-        return _swept(exc.report, error=str(exc))
-    except (SweepLocked, SwitchedOff) as exc:
-        return _error(409, str(exc))
-    except SWEEP_ERRORS as exc:
-        return _error(503, str(exc))
-    failed = any(r.level == "failed" for r in results)
-    return JsonResponse({"results": [dataclasses.asdict(r) for r in results]}, status=503 if failed else 200)
+    if task_ids is None:
+        answer = operations.sweep(Trigger.API, user)
+    else:
+        answer = operations.act_on(task_ids, mark_terminal=False, trigger=Trigger.API, user=user)
+    failed = answer.error is not None or any(r.failed for r in answer.results)
+    return JsonResponse(answer.as_json(), status=503 if failed else 200)
 
 
 def _requested_ids(body: bytes) -> frozenset[str] | None:
@@ -153,10 +147,4 @@ def _requested_ids(body: bytes) -> frozenset[str] | None:
     unknown = sorted(set(data) - {"task_ids"})
     if unknown:
         raise ValueError(f"unknown fields: {', '.join(unknown)}")
-    return clean_task_ids(data["task_ids"]) if "task_ids" in data else None
-
-
-def _swept(report: Report, error: str | None = None) -> JsonResponse:
-    outcomes = [o.as_json() for o in report.outcomes if o.decision.action is not Action.LEAVE]
-    body = {"summary": report.summary(), "shadow": report.shadow, "outcomes": outcomes}
-    return JsonResponse({**body, "error": error}, status=503) if error else JsonResponse(body)
+    return operations.clean_task_ids(data["task_ids"]) if "task_ids" in data else None

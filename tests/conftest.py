@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import redis
 from celery import Celery
@@ -17,11 +18,17 @@ from pytest_django import Settings
 from celery_orphans import store
 from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
-from celery_orphans.worker import heartbeat as heartbeats
+from celery_orphans.worker import lifecycle
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests.helpers import MakeBeat, database_url, wait_for
-from tests.services import TEST_DATABASE_NAME, Vhost
+from tests.services import TEST_DATABASE_NAME, MachineRedisGuard, RedisServer, SentinelSet, Vhost
 from tests.workers import WorkerPool
+
+# Property tests draw examples derived from each test rather than from a fresh seed, so a run is red or
+# green for the code alone; HYPOTHESIS_PROFILE=explore draws new examples on every run.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+hypothesis.settings.register_profile("explore", database=None, print_blob=True)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -31,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
     handle = open(path, "w")  # noqa: SIM115 - held open for the whole run
     fcntl.flock(handle, fcntl.LOCK_EX)
     config.stash[_LOCK] = handle
-    if os.environ.get("CELERY_ORPHANS_TEST_INSTALLED"):
+    if os.environ.get("TEST_CELERY_ORPHANS_INSTALLED"):
         import celery_orphans
 
         # tests/installed.py: the package must come from site-packages, not from a checkout.
@@ -39,6 +46,84 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _LOCK = pytest.StashKey[object]()
+_GUARD = pytest.StashKey[MachineRedisGuard]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    guard = MachineRedisGuard(skip=os.environ.get("TEST_REDIS_URL"))
+    if guard.plant():
+        session.config.stash[_GUARD] = guard
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it touched the machine's own Redis (``MachineRedisGuard``)."""
+    guard = session.config.stash.get(_GUARD, None)
+    findings = guard.findings() if guard is not None else []
+    if findings:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.section("the run touched the machine's Redis at 127.0.0.1:6379", red=True)
+            for finding in findings:
+                reporter.write_line(finding, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The tests marked ``faults`` show faults the product does not withstand yet: they run only when asked,
+# with ``-m faults`` (or a marker expression naming them) or CELERY_ORPHANS_FAULTS=1.
+FAULTS_ENV = "CELERY_ORPHANS_FAULTS"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run the K-th of N shares of the selected tests (every N-th, from the K-th): N runs with "
+        "K = 1..N, each with a TEST_RUN_NAME of its own, run the suite once between them (.ci/run)",
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-django has ordered the tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _no_faults(config):
+        _deselect(config, items, [item for item in items if item.get_closest_marker("faults")])
+    shard = config.getoption("shard")
+    if shard is not None:
+        k, n = _shard(shard)
+        _deselect(config, items, [item for i, item in enumerate(items) if i % n != k - 1])
+
+
+def _no_faults(config: pytest.Config) -> bool:
+    return "faults" not in (config.getoption("markexpr") or "") and os.environ.get(FAULTS_ENV) != "1"
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes K/N, such as 1/2: got {text!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard K/N needs 1 <= K <= N: got {text!r}")
+    return k, n
+
+
+def _deselect(config: pytest.Config, items: list[pytest.Item], dropped: list[pytest.Item]) -> None:
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(dropped)
+        items[:] = [item for item in items if item not in gone]
+
+
+@pytest.fixture
+def ledger_redis(tmp_path: Path, settings: Settings) -> Iterator[RedisServer]:
+    """The ledger and leases in a persistent Redis of the test's own; results and runs stay in the suite's.
+    A worker uses it with ``env=ledger_env(ledger_redis)`` (tests/helpers.py)."""
+    server = RedisServer(tmp_path / "ledger", persistent=True).start()
+    settings.CELERY_ORPHANS_REDIS_URL = server.url()
+    settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 0.05  # the orphans' node never answers
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -57,6 +142,14 @@ def redis_client() -> Iterator[object]:
 def ledger(redis_client: object) -> Ledger:
     """The ledger under the configured prefix, on the run's own Redis, emptied for the test."""
     return Ledger(client(), Keys.current())
+
+
+@pytest.fixture
+def sentinel_servers(tmp_path: Path) -> Iterator[SentinelSet]:
+    """A Redis master, its replica and a sentinel watching it as ``orphans`` (``SentinelSet``)."""
+    servers = SentinelSet.start(tmp_path)
+    yield servers
+    servers.stop()
 
 
 @pytest.fixture(scope="session")
@@ -197,7 +290,7 @@ def beat(redis_client: redis.Redis) -> Iterator[MakeBeat]:
     yield make
     for heartbeat in made:
         heartbeat.stop()
-    heartbeats.stop()
+    lifecycle.stop()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django_celery_results.models import TaskResult
 from kombu.serialization import dumps
 
-from celery_orphans.entry import HEADER, Delivery, Entry
+from celery_orphans.entry import HEADER, Delivery, Entry, signer
 from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
 
@@ -90,6 +90,16 @@ def orphan(
             ledger_entry(made, node=worker, recorded_at=started.timestamp())
         )
     return task_id
+
+
+def sealed(text: str) -> str:
+    """Entry JSON as a worker holding the signing key stores it: followed by its tag."""
+    return signer().sign(text)
+
+
+def opened(stored: bytes | str) -> Any:
+    """The JSON of a stored entry whose tag holds."""
+    return json.loads(signer().unsign(stored.decode() if isinstance(stored, bytes) else stored))
 
 
 # Entries of a made-up task ``demoapp.work``, for the ledger's own tests: no Celery message needed.

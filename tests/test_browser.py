@@ -28,6 +28,7 @@ from django_celery_results.models import TaskResult
 from testproject import urls as project_urls
 from tests import factories
 from tests.helpers import wait_for
+from tests.test_admin import event
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 USERNAME = "browser-admin"
@@ -58,8 +59,12 @@ document.getElementById("page").addEventListener("load", function () {
   var widths = Array.from(d.querySelectorAll("#result_list thead th")).map(function (th) {
     return [th.textContent.trim(), Math.round(th.getBoundingClientRect().width)];
   });
+  var sidebar = d.querySelector("#nav-sidebar"), last = d.querySelector("#result_list thead th:last-child");
   out.textContent = JSON.stringify({
-    scrolls: box.scrollWidth > box.clientWidth, gaps: gaps, widths: widths, room: box.clientWidth
+    scrolls: box.scrollWidth > box.clientWidth, gaps: gaps, widths: widths, room: box.clientWidth,
+    sidebar: sidebar ? Math.round(sidebar.getBoundingClientRect().width) : 0,
+    last_right: last ? Math.round(last.getBoundingClientRect().right) : 0,
+    box_right: Math.round(box.getBoundingClientRect().right)
   });
   document.body.appendChild(out);
 });
@@ -181,22 +186,26 @@ def measured(binary: str, profile: Path, server: str, page: str) -> dict[str, ob
 def test_the_empty_in_flight_page_and_the_audit_list_read_cleanly_at_1400_pixels(
     live_server, settings, django_user_model, tmp_path, redis_client
 ):
-    from celery_orphans.models import OrphanEvent
-
     binary = chromium()
     settings.ROOT_URLCONF = __name__
+    settings.X_FRAME_OPTIONS = "SAMEORIGIN"  # the measuring page frames the admin, from the same origin
     django_user_model.objects.create_superuser(USERNAME, password="unused")
-    OrphanEvent.objects.create(
-        task_id="0f0e9b2c-53c4-4f0a-9d65-6a1f3c2b9e71",
+    event(
+        "0f0e9b2c-53c4-4f0a-9d65-6a1f3c2b9e71",
         task_name="reports.build_quarterly_statement_for_every_region",
         worker="celery@worker-pool-eu-west-1c-7d9f8b6c4-x2x9z",
-        action="recovered",
-        reason="recoverable",
-        evidence="lease_lapsed",
-        detail="recovery 1 of 3",
-        attempt=1,
         trigger="admin",
         triggered_by="operations-on-call",
+    )
+    # The longest value of each column (a shadow mode row, the longest evidence, reason and trigger).
+    event(
+        "7a1d2c3b-4e5f-4061-8273-9485a6b7c8d9",
+        task_name="billing.tasks.reconcile_every_invoice_of_the_previous_quarter",
+        worker="celery@worker-pool-us-east-2b-5f6e7d8c9-a1b2c",
+        action="would_mark_terminal",
+        reason="already_finished",
+        evidence="worker_answered_without_task",
+        trigger="watch",
     )
 
     empty = measured(binary, tmp_path / "empty", live_server.url, reverse("admin:celery_orphans_inflight"))
@@ -205,4 +214,6 @@ def test_the_empty_in_flight_page_and_the_audit_list_read_cleanly_at_1400_pixels
     )
 
     assert len(empty["gaps"]) == 6 and min(empty["gaps"]) >= 8, empty  # headers apart, not run together
+    assert audit["sidebar"] > 0, json.dumps(audit)  # Django's navigation sidebar, open as by default
     assert audit["scrolls"] is False, json.dumps(audit)
+    assert audit["last_right"] <= audit["box_right"], json.dumps(audit)  # the trigger column in view

@@ -33,6 +33,8 @@ def assert_every_task_ran_to_completion_exactly_once(result: Any) -> None:
     assert result.finished_per_task == {1: result.tasks}
     assert result.unexplained_extra_starts == 0
     assert result.stale_copy_executions == 0
+    assert result.overlapping_effects == 0
+    assert result.left_unfinished == 0
     assert result.marked_terminal == 0
 
 

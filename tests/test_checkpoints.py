@@ -13,13 +13,15 @@ import pytest
 from django_celery_results.models import TaskResult
 
 import celery_orphans
-from celery_orphans.checkpoints import CheckpointStore, Saved, on_task_failure, on_task_success
+from celery_orphans.checkpoints import CheckpointStore, Saved
+from celery_orphans.decision import Action
 from celery_orphans.exceptions import CheckpointFenced, CheckpointTooLarge
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent
-from celery_orphans.reconcile import Action
+from celery_orphans.recovery.claims import ALL_RETRIES
+from celery_orphans.scripts import ClaimMode
 from celery_orphans.store import Keys, client
-from celery_orphans.sweep.actions import ALL_RETRIES
+from celery_orphans.worker.checkpoint import on_task_failure, on_task_success
 from tests.helpers import started_on, sweep_until, wait_for
 
 
@@ -56,7 +58,9 @@ def save_as(task_id: str, value: object, *, retries: int = 0, attempt: int | Non
 
 def recover(task_id: str, attempts: int = 0, retries: int = 0) -> int:
     """Raise the task's fence exactly as a sweep's recovery claim does."""
-    claimed = ledger().claim(task_id, token="", attempts=attempts, retries=retries, ttl=60, mode="recover")
+    claimed = ledger().claim(
+        task_id, token="", attempts=attempts, retries=retries, ttl=60, mode=ClaimMode.RECOVER
+    )
     assert claimed is not None
     return claimed
 
@@ -175,7 +179,7 @@ def test_celery_retry_of_an_execution_is_newer_whatever_its_recovery_attempt(red
 
 
 def test_task_marked_terminal_refuses_every_write(redis_client):
-    ledger().claim("t-term", token="", attempts=0, retries=ALL_RETRIES, ttl=60, mode="terminal")
+    ledger().claim("t-term", token="", attempts=0, retries=ALL_RETRIES, ttl=60, mode=ClaimMode.TERMINAL)
     with pytest.raises(CheckpointFenced, match="the task was marked terminal"):
         save_as("t-term", 1, retries=5, attempt=3)
     assert not redis_client.exists(Keys.current().checkpoint("t-term"))
@@ -332,7 +336,12 @@ def test_running_execution_that_lost_ownership_stops_at_its_next_save_and_writes
     # What a sweep does to a worker it wrongly took for dead: the fence now belongs to attempt 1.
     assert (
         ledger().claim(
-            result.id, token=entry.token, attempts=0, retries=entry.delivery.retries, ttl=60, mode="recover"
+            result.id,
+            token=entry.token,
+            attempts=0,
+            retries=entry.delivery.retries,
+            ttl=60,
+            mode=ClaimMode.RECOVER,
         )
         == 1
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import subprocess
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -29,8 +30,11 @@ class Orphans:
 
 @pytest.fixture
 def orphans(workers) -> Orphans:
-    """One recoverable and one non-recoverable task, both running on a worker that was then SIGKILLed."""
-    from demoapp.tasks import scan, summarize
+    """One recoverable and one non-recoverable task, both running on a worker that was then SIGKILLed.
+
+    Each is killed once its body has begun (it recorded its start), not merely once its row says STARTED:
+    the tests count the runs of each body."""
+    from demoapp.tasks import runs, scan, summarize
 
     worker = workers.start(NODE, concurrency=2)
     ids = Orphans(summarize.delay([1, 2, 3], seconds=60).id, scan.delay("db-1", seconds=60).id)
@@ -39,6 +43,9 @@ def orphans(workers) -> Orphans:
             lambda t=task_id: TaskResult.objects.filter(task_id=t, status="STARTED", worker=NODE).exists(),
             20,
             f"{task_id} STARTED on {NODE}",
+        )
+        wait_for(
+            lambda t=task_id: any(e.startswith("start") for e in runs(t)), 20, f"{task_id}'s body to begin"
         )
     worker.kill()
     wait_for(lambda: not leases.fresh_boots([NODE])[NODE], 10, f"the lease of {NODE} to lapse")
@@ -56,9 +63,10 @@ def manage(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     return helpers.manage("reconcile_orphan_tasks", *args, env=env)
 
 
-# The one JSON shape of an outcome, shared with the HTTP API (docs/api.md).
+# The one JSON shape of a task's result, shared with the HTTP API (docs/api.md).
 OUTCOME_FIELDS = {
-    "task_id", "task_name", "worker", "action", "reason", "evidence", "detail", "attempt", "done", "error"
+    "task_id", "task_name", "worker", "action", "reason", "evidence", "detail", "attempt", "done", "error",
+    "status", "message",
 }  # fmt: skip
 
 
@@ -83,6 +91,10 @@ def redis_value(redis_client, key: bytes) -> tuple[bytes, object]:
         return kind, [
             (m, s) for m, s in redis_client.zrange(key, 0, -1, withscores=True) if not m.startswith(b"reply.")
         ]
+    if kind == b"hash":
+        # DUMP writes a large hash's fields in its table's order, which a read may change (Redis moves a
+        # growing table a step at each access): the fields and values are what the command could change.
+        return kind, redis_client.hgetall(key)
     return kind, redis_client.dump(key)
 
 
@@ -94,6 +106,11 @@ def state(redis_client) -> dict[str, object]:
         "events": list(OrphanEvent.objects.values()),
         "redis": {key: redis_value(redis_client, key) for key in keys},
         "queues": {queue: redis_client.llen(queue) for queue in QUEUES},
+        # When each key expires on its own (a killed worker's machine record outlives its lease by two
+        # leases): a key gone by then was not removed by the command.
+        "expires_at": {
+            key: time.monotonic() + ttl / 1000 for key, ttl in expiries(redis_client).items() if ttl >= 0
+        },
     }
 
 
@@ -105,10 +122,13 @@ def assert_untouched(before: dict[str, object], after: dict[str, object]) -> Non
     assert after["rows"] == before["rows"]
     assert after["events"] == before["events"] == []
     assert after["queues"] == before["queues"]
+    expired = {
+        k for k, at in before["expires_at"].items() if k not in after["redis"] and at <= time.monotonic()
+    }
     changed = sorted(
         k
         for k in before["redis"].keys() | after["redis"].keys()
-        if before["redis"].get(k) != after["redis"].get(k)
+        if before["redis"].get(k) != after["redis"].get(k) and k not in expired
     )
     assert changed == [], changed
 
@@ -131,7 +151,7 @@ def test_dry_run_decides_and_reports_but_changes_nothing(orphans, redis_client, 
     assert_untouched(before, state(redis_client))
     # No expiry was pushed back either (a refreshed key would live longer than it did before).
     ttl_after = expiries(redis_client)
-    assert all(ttl_after[key] <= ttl for key, ttl in ttl_before.items() if ttl > 0)
+    assert all(ttl_after.get(key, -2) <= ttl for key, ttl in ttl_before.items() if ttl > 0)  # -2: expired
     persistent = {key for key, ttl in ttl_before.items() if ttl == -1}
     assert {key for key, ttl in ttl_after.items() if ttl == -1} == persistent
 
@@ -161,7 +181,13 @@ def test_real_run_with_recovery_switched_off_is_refused_and_changes_nothing(orph
     assert script.returncode == 1
     assert "CELERY_ORPHANS_ENABLED is off" in script.stderr
     assert "--dry-run" in script.stderr
-    assert_untouched(before, state(redis_client))
+    after = state(redis_client)
+    # Nothing changed but the audit log's record of the two refusals.
+    refusals = after.pop("events")
+    assert [(e["action"], e["reason"], e["trigger"]) for e in refusals] == [
+        ("refused", "switched_off", "command")
+    ] * 2
+    assert_untouched(before, {**after, "events": []})
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -224,6 +250,24 @@ def test_all_lists_a_task_in_grace_as_left_alone(orphans, redis_client):
     decided = json_lines(out)
     assert set(decided) == {orphans.summarize, orphans.scan}
     assert {(t["action"], t["reason"]) for t in decided.values()} == {("leave", "in_grace")}
+
+
+@pytest.mark.worker
+def test_grace_minutes_spare_a_young_task_even_when_its_worker_is_known_dead(workers, redis_client, settings):
+    from demoapp.tasks import summarize
+
+    worker = workers.start(NODE)
+    task_id = summarize.delay([1, 2, 3], seconds=60).id
+    wait_for(lambda: TaskResult.objects.filter(task_id=task_id, status="STARTED").exists(), 20, "STARTED")
+    worker.kill()
+    wait_for(lambda: not leases.fresh_boots([NODE], prune=False)[NODE], 10, f"the lease of {NODE} to lapse")
+    settings.CELERY_ORPHANS_GRACE_SECONDS = 300
+
+    asked = json_lines(command("--dry-run", "--grace-minutes", "5", "--json", "--all")[0])[task_id]
+    default = json_lines(command("--dry-run", "--json", "--all")[0])[task_id]
+
+    assert (asked["action"], asked["reason"]) == ("leave", "in_grace")
+    assert (default["action"], default["evidence"]) == ("recover", "lease_lapsed")
 
 
 @pytest.mark.parametrize(
@@ -303,7 +347,7 @@ def test_sweep_lock_held_elsewhere_makes_the_command_fail_and_say_so(redis_clien
     assert script.returncode == 1
     assert "lock" in script.stderr
     assert "Traceback" not in script.stderr
-    assert not OrphanEvent.objects.exists()
+    assert list(OrphanEvent.objects.values_list("action", "reason")) == [("refused", "locked")]
 
 
 @pytest.mark.parametrize(
@@ -335,6 +379,20 @@ def test_unreachable_redis_fails_with_a_clear_message_that_hides_the_password(ur
     assert "s3cret" not in script.stdout + script.stderr
 
 
+@pytest.mark.parametrize("checks", [[], ["--skip-checks"]], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("url", ["http://:s3cret@127.0.0.1:6379/0", "s3cret", "redis://:s3cret@/0"])
+def test_a_malformed_redis_url_fails_with_a_clear_message_that_hides_the_password(checks, url):
+    script = manage(*checks, "--dry-run", env={"CELERY_ORPHANS_REDIS_URL": url})
+
+    assert script.returncode == 1
+    # Django runs the checks first (E006); without them the command says the same.
+    assert (
+        "celery_orphans.E006" if not checks else "CommandError: CELERY_ORPHANS_REDIS_URL"
+    ) in script.stderr
+    assert "Traceback" not in script.stderr
+    assert "s3cret" not in script.stdout + script.stderr
+
+
 @pytest.mark.parametrize("mode", [[], ["--dry-run"]], ids=["run", "dry-run"])
 def test_unreachable_database_fails_with_a_clear_message_that_hides_the_password(mode):
     script = manage(
@@ -348,6 +406,6 @@ def test_unreachable_database_fails_with_a_clear_message_that_hides_the_password
     )
 
     assert script.returncode == 1
-    assert "CommandError: connection failed" in script.stderr
+    assert "CommandError: cannot reach the database (OperationalError; see the server's log)" in script.stderr
     assert "Traceback" not in script.stderr
     assert "pw-s3cret" not in script.stdout + script.stderr

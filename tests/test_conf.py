@@ -185,6 +185,27 @@ def test_bad_json_in_the_environment_shows_the_raw_text(
         settings.GROUPS  # noqa: B018
 
 
+def test_unknown_names_are_found_in_settings_and_environment_and_never_a_known_one(
+    clean: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for setting in settings.all():
+        setattr(clean, setting.django_name, setting.default)
+        monkeypatch.setenv(setting.django_name, "1")
+    assert settings.unknown_in_settings() == settings.unknown_in_environment() == []
+
+    clean.CELERY_ORPHANS_SHADOWMODE = True
+    monkeypatch.setenv("Celery_Orphans_Watch", "false")
+    assert settings.unknown_in_settings() == [
+        conf.UnknownName("CELERY_ORPHANS_SHADOWMODE", "CELERY_ORPHANS_SHADOW_MODE")
+    ]
+    assert settings.unknown_in_environment() == [
+        conf.UnknownName("Celery_Orphans_Watch", "CELERY_ORPHANS_WATCH")
+    ]
+
+    del clean.CELERY_ORPHANS_SHADOWMODE  # read at each call, as every setting is
+    assert settings.unknown_in_settings() == []
+
+
 def test_redis_url_setting_is_used_first(clean: Settings, set_broker: SetBroker) -> None:
     set_broker("redis://broker:6379/0")
     clean.CELERY_ORPHANS_REDIS_URL = "redis://orphans:6379/3"

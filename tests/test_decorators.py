@@ -10,8 +10,9 @@ from celery.worker.request import Request
 from testproject.celery import app as project_app
 
 from celery_orphans import recoverable
-from celery_orphans.registry import RecoveryPolicy, policy_for
+from celery_orphans.registry import RecoveryPolicy
 from celery_orphans.worker.request import RecoverableRequestMixin
+from tests.helpers import policy_for
 
 
 class CustomRequest(Request):

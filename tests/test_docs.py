@@ -14,7 +14,7 @@ import pytest
 from django.core.checks.registry import registry as check_registry
 from django.test import override_settings
 
-from celery_orphans import checks
+from celery_orphans import checks, serializers
 from celery_orphans.conf import Setting, Settings
 from tests.celery_conf import patch_setting
 from tests.helpers import ROOT
@@ -89,8 +89,10 @@ def test_the_readme_lists_every_setting_with_its_default():
 
 
 def ids_in_checks_module() -> set[str]:
-    source = Path(checks.__file__).read_text()
-    return {f"celery_orphans.{code}" for code in re.findall(r"""["']([EWI]\d{3})["']""", source)}
+    modules = [*Path(checks.__file__).parent.glob("*.py"), Path(serializers.__file__)]
+    source = "".join(module.read_text() for module in modules)
+    found = re.findall(r"""["'](?:celery_orphans\.)?([EWI]\d{3})["']""", source)
+    return {f"celery_orphans.{code}" for code in found}
 
 
 def ids_reported_by_bad_configurations(monkeypatch: pytest.MonkeyPatch) -> set[str]:
@@ -138,6 +140,32 @@ def test_every_link_from_the_readme_to_a_file_of_the_repository_resolves():
     targets = re.findall(r"\]\((?!https?://|#)([^)#\s]+)(?:#[^)]*)?\)", text)
     assert targets
     assert [t for t in targets if not (ROOT / t).exists()] == []
+
+
+def python_block(markdown: str, first_line: str) -> str:
+    """The fenced Python block that starts with ``first_line``."""
+    pattern = rf"^```python\n({re.escape(first_line)}\n.*?)^```"
+    [block] = re.findall(pattern, markdown, re.MULTILINE | re.DOTALL)
+    return block
+
+
+@pytest.mark.parametrize("page", ["quickstart.md", "installation.md"])
+def test_the_docs_celery_py_is_the_one_the_test_project_runs(page):
+    shown = python_block((DOCS / page).read_text(), "# yourproject/celery.py")
+    runs = (ROOT / "testproject" / "testproject" / "celery.py").read_text()
+
+    assert ast.dump(ast.parse(shown.replace("yourproject", "testproject"))) == ast.dump(ast.parse(runs))
+
+
+def test_the_install_sections_say_where_a_dev_release_comes_from():
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert version and ".dev" in version[1]  # once released, this test gives way to a PyPI install line
+    for text in ((ROOT / "README.md").read_text(), (DOCS / "installation.md").read_text()):
+        assert f"`{version[1]}`" in text
+        assert "not on PyPI" in text
+        assert re.search(r"^pip install \S*/celery-orphans", text, re.MULTILINE)
+        assert re.search(r'^pip install "celery-orphans\S* @ git\+https://', text, re.MULTILINE)
+        assert not re.search(r"^pip install \"?celery-orphans\"?$", text, re.MULTILINE)
 
 
 def mkdocs() -> Path:

@@ -10,18 +10,21 @@ from typing import Any
 import pytest
 import redis
 from django.conf import settings as django_settings
+from django.core import signing
 from kombu import Connection, Message
 
 from celery_orphans.entry import (
     ENTRY_VERSION,
+    FORGED,
     HEADER,
+    SALT,
     Entry,
     Unreadable,
     delivery_from_message,
     recovery_attempt,
 )
 from celery_orphans.ledger import Ledger
-from tests.factories import work_delivery, work_entry
+from tests.factories import sealed, work_delivery, work_entry
 
 _DROP = object()
 
@@ -67,7 +70,7 @@ def test_an_entry_round_trips_every_field_of_the_delivery(ledger: Ledger) -> Non
     ("raw", "message"),
     [
         pytest.param("{not json", "unreadable ledger entry", id="not-json"),
-        pytest.param(b"\xff\xfe", "unreadable ledger entry", id="not-utf8"),
+        pytest.param(b"\xff\xfe", "authentication tag does not match", id="not-utf8"),
         pytest.param("[1, 2]", "of a known version", id="not-an-object"),
         pytest.param(_raw_entry(version=ENTRY_VERSION + 1), "of a known version", id="newer-version"),
         pytest.param(_raw_entry(version=_DROP), "of a known version", id="no-version"),
@@ -105,7 +108,8 @@ def test_an_entry_round_trips_every_field_of_the_delivery(ledger: Ledger) -> Non
 def test_load_reports_an_unreadable_entry_instead_of_raising(
     ledger: Ledger, redis_client: redis.Redis, raw: str | bytes, message: str
 ) -> None:
-    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": raw})
+    stored = sealed(raw) if isinstance(raw, str) else raw
+    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": stored})
     ledger.admit_delivery(work_entry("good"))
 
     found = ledger.load(["t", "good"])
@@ -134,12 +138,86 @@ def test_load_reports_an_unreadable_entry_instead_of_raising(
 def test_a_delivery_that_could_not_be_sent_again_as_stored_is_unreadable(
     ledger: Ledger, redis_client: redis.Redis, changes: dict[str, Any], message: str
 ) -> None:
-    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": _delivery_json(**changes)})
+    stored = sealed(_delivery_json(**changes))
+    redis_client.hset(ledger.keys.entry("t"), mapping={"token": "tok", "entry": stored})
 
     found = ledger.load(["t"])["t"]
 
     assert isinstance(found, Unreadable)
     assert message in found.reason
+
+
+def _stored(redis_client: redis.Redis, ledger: Ledger, task_id: str) -> str:
+    return redis_client.hget(ledger.keys.entry(task_id), "entry").decode()
+
+
+def test_an_entry_is_stored_with_a_tag_over_its_exact_json(ledger: Ledger, redis_client: redis.Redis) -> None:
+    entry = work_entry("t")
+    ledger.admit_delivery(entry)
+
+    text, tag = _stored(redis_client, ledger, "t").rsplit(":", 1)
+
+    assert text == entry.to_json()
+    assert tag == signing.Signer(salt=SALT, algorithm="sha256").signature(text)
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        pytest.param(lambda text: text.rsplit(":", 1)[0], id="no-tag"),
+        pytest.param(lambda text: text.replace('"x\\": 2', '"x\\": 3'), id="body-altered"),
+        pytest.param(lambda text: text.replace("demoapp.work", "demoapp.scan"), id="task-renamed"),
+        pytest.param(
+            lambda text: signing.Signer(salt="other", algorithm="sha256").sign(text.rsplit(":", 1)[0]),
+            id="tag-of-another-salt",
+        ),
+        pytest.param(
+            lambda text: signing.Signer(key="guess", salt=SALT, algorithm="sha256").sign(
+                text.rsplit(":", 1)[0]
+            ),
+            id="tag-of-another-key",
+        ),
+    ],
+)
+def test_an_entry_not_sealed_by_a_key_holder_is_refused(
+    ledger: Ledger, redis_client: redis.Redis, forge: Any
+) -> None:
+    ledger.admit_delivery(work_entry("t"))
+    forged = forge(_stored(redis_client, ledger, "t"))
+    redis_client.hset(ledger.keys.entry("t"), "entry", forged)
+
+    found = ledger.load(["t"])["t"]
+
+    assert isinstance(found, Unreadable)
+    assert found.reason == FORGED
+
+
+def test_a_rotated_signing_key_still_opens_entries_sealed_with_its_fallback(
+    ledger: Ledger, settings: Any
+) -> None:
+    settings.CELERY_ORPHANS_SIGNING_KEY = "old-key-of-the-ledger"
+    ledger.admit_delivery(work_entry("t"))
+    settings.CELERY_ORPHANS_SIGNING_KEY = "new-key-of-the-ledger"
+
+    assert isinstance(ledger.load(["t"])["t"], Unreadable)
+
+    settings.CELERY_ORPHANS_SIGNING_KEY_FALLBACKS = ["old-key-of-the-ledger"]
+
+    assert isinstance(ledger.load(["t"])["t"], Entry)
+
+
+def test_without_a_signing_key_of_its_own_the_secret_key_and_its_fallbacks_seal(
+    ledger: Ledger, settings: Any
+) -> None:
+    ledger.admit_delivery(work_entry("t"))
+    settings.SECRET_KEY_FALLBACKS = [settings.SECRET_KEY]
+    settings.SECRET_KEY = "a-rotated-secret-key-for-this-test-only"
+
+    assert isinstance(ledger.load(["t"])["t"], Entry)
+
+    settings.SECRET_KEY_FALLBACKS = []
+
+    assert isinstance(ledger.load(["t"])["t"], Unreadable)
 
 
 def test_a_bytes_body_is_kept_as_base64_and_restored_exactly() -> None:

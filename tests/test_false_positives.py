@@ -13,9 +13,9 @@ import pytest
 from django.db import connection
 
 from celery_orphans import sweep
+from celery_orphans.decision import Action, Evidence
 from celery_orphans.exceptions import SweepLocked
 from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.reconcile import Action, Evidence
 from celery_orphans.store import Keys
 from tests.helpers import finishes, outcome_of, started_on, starts, wait_for
 from tests.workers import OWN_SWEEPS_ON
@@ -30,6 +30,13 @@ def production_workers(workers):
     workers.own_sweeps = OWN_SWEEPS_ON
     workers.start("bystander@test", queues=("bystander",))
     return workers
+
+
+def sweep_unlocked() -> sweep.Report | None:
+    """One sweep of the test's own, or ``None`` while a worker's own sweep holds the lock."""
+    with contextlib.suppress(SweepLocked):
+        return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
+    return None
 
 
 def sweep_while(condition: object, every: float = 1.0) -> list[sweep.Report]:
@@ -136,15 +143,19 @@ def test_worker_whose_lease_vanished_is_not_judged_dead_while_its_last_renewal_h
     from demoapp.tasks import summarize
 
     # Beats far apart: once its lease is gone (deleted, evicted, lost in a failover), the worker does not
-    # find out before the task ends; its last renewal holds for five minutes.
-    env = {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "120", "CELERY_ORPHANS_LEASE_SECONDS": "300"}
+    # find out before the task ends; its last renewal holds for five minutes, three beats and the margin
+    # (E008).
+    env = {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "100", "CELERY_ORPHANS_LEASE_SECONDS": "301"}
     workers.start("vanished@test", env=env)
     result = summarize.delay([4], seconds=6)
     started_on(result.id, "vanished@test")
     redis_client.delete(*redis_client.keys(Keys.current().lease("vanished@test", "*")))
 
-    report = sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
+    # The bystander's watch may see the lease gone and sweep first (CI met its lock once): it must leave
+    # the task alone as well, which the audit check below says.
+    report = wait_for(sweep_unlocked, 20, "a sweep of the test's own", interval=0.2)
 
     decision = outcome_of(report, result.id).decision
     assert (decision.action, decision.evidence) == (Action.LEAVE, Evidence.BOOT_ALIVE)
     assert result.get(timeout=20) == 4 and starts(result.id) == 1
+    assert not OrphanEvent.objects.exclude(action="duplicate_dropped").exists()  # no sweep acted

@@ -13,10 +13,9 @@ completes.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,43 +30,20 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.messaging import Producer
 
 from celery_orphans import sweep
+from celery_orphans.decision import Action, Reason
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.reconcile import Action, Reason
+from celery_orphans.recovery import broker
+from celery_orphans.recovery.executor import Executor
 from celery_orphans.store import Keys, client
-from celery_orphans.sweep import actions, broker, liveness, runner
+from celery_orphans.sweep import liveness, runner
 from tests import factories
-from tests.helpers import manage, wait_for
+from tests.helpers import QUEUE, ledger_env, manage, published_ids, sweep_now, wait_for
 from tests.services import RedisServer
 
-QUEUE = "celery"
 ORPHANS = 5
 FAULTED = 3  # the fault strikes at the third orphan's recovery
-
-
-@pytest.fixture
-def ledger_redis(tmp_path: Path, settings: Any) -> Iterator[RedisServer]:
-    """The ledger and leases in a persistent Redis of the test's own; results and runs stay in the suite's."""
-    server = RedisServer(tmp_path / "ledger", persistent=True).start()
-    settings.CELERY_ORPHANS_REDIS_URL = server.url()
-    settings.CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS = 0.05  # the orphans' node never answers
-    yield server
-    server.stop()
-
-
-def ledger_env(server: RedisServer) -> dict[str, str]:
-    """Environment for a worker whose ledger is ``server`` (the test project reads it before REDIS_URL)."""
-    return {"CELERY_ORPHANS_REDIS_URL": server.url()}
-
-
-def sweep_now() -> sweep.Report:
-    return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
-
-
-def published(redis_client: Any) -> Counter[str]:
-    """How many messages wait in the queue, by task id."""
-    return Counter(json.loads(raw)["headers"]["id"] for raw in redis_client.lrange(QUEUE, 0, -1))
 
 
 def terminate_own_database_session() -> None:
@@ -136,16 +112,16 @@ def arm(fault: Fault, point: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
         monkeypatch.setattr(liveness, "observe", observe_after_fault)
     elif point == "between_recoveries":
-        carry_out = actions.Executor.carry_out
+        carry_out = Executor.carry_out
         calls = []
 
-        def carry_out_after_fault(self: actions.Executor, *args: Any, **kwargs: Any) -> Any:
+        def carry_out_after_fault(self: Executor, *args: Any, **kwargs: Any) -> Any:
             calls.append(1)
             if len(calls) == FAULTED:
                 fault.inject(point)
             return carry_out(self, *args, **kwargs)
 
-        monkeypatch.setattr(actions.Executor, "carry_out", carry_out_after_fault)
+        monkeypatch.setattr(Executor, "carry_out", carry_out_after_fault)
     else:  # after_resend: the message is out, the bookkeeping is not done
         publish = broker.publish
         sent = []
@@ -210,7 +186,7 @@ def test_a_fault_inside_a_sweep_loses_no_orphan_and_runs_none_twice(
     assert sweep_now().count(Action.RECOVER, done_only=True) == 0  # and there is nothing left to do
 
     # Nothing lost: every orphan was sent again, and none was given up on.
-    sent = published(redis_client)
+    sent = published_ids(redis_client)
     assert set(sent) == set(ids)
     assert set(TaskResult.objects.filter(task_id__in=ids).values_list("status", flat=True)) == {"RETRY"}
     assert not OrphanEvent.objects.filter(action="marked_terminal").exists()
@@ -250,7 +226,7 @@ def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
     second = sweep_now()
 
     assert [o.decision.action for o in first.outcomes if o.done] == [Action.RECOVER]
-    assert published(redis_client) == {task_id: 1}
+    assert published_ids(redis_client) == {task_id: 1}
     worker = workers.start("cap@test", env=ledger_env(ledger_redis))
     wait_for(
         lambda: (
@@ -263,7 +239,7 @@ def test_a_recovery_whose_entry_could_not_be_released_still_runs_at_the_cap(
     assert (outcome.decision.action, outcome.decision.reason) == (Action.RECOVER, Reason.ALREADY_SENT)
     wait_for(lambda: any(e.startswith("finish") for e in runs(task_id)), 20, "the copy sent to finish")
     assert "dropped a stale copy" not in worker.log()
-    assert published(redis_client) == {}  # consumed, and never sent a second time
+    assert published_ids(redis_client) == {}  # consumed, and never sent a second time
     assert OrphanEvent.objects.filter(task_id=task_id, action="recovered").count() == 1
     assert not OrphanEvent.objects.filter(action="marked_terminal").exists()
 
@@ -398,7 +374,9 @@ def test_a_ledger_redis_that_loses_its_data_marks_the_running_task_terminal_and_
             Reason.NO_LEDGER_ENTRY,
         )
         assert TaskResult.objects.get(task_id=result.id).status == "FAILURE"
-        time.sleep(3)  # nothing sends it again
+        # That nothing sends it again is the point, and nothing would announce it: 3 s, longer than the
+        # suite's lease (2 s) and than a sweep here, in which a re-send would be queued or started.
+        time.sleep(3)
         assert [e.split(":")[0] for e in runs(result.id)] == ["start"]
         assert redis_client.llen(QUEUE) == 0
     finally:

@@ -6,9 +6,9 @@ import pytest
 from django_celery_results.models import TaskResult
 
 from celery_orphans import sweep
+from celery_orphans.decision import Action, Reason
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.reconcile import Action, Reason
 from celery_orphans.store import Keys, client
 from tests import factories
 

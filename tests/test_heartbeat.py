@@ -1,12 +1,15 @@
-"""Worker leases against a real Redis: the key a heartbeat keeps alive, and what the sweep reads from it."""
+"""Worker leases against a real Redis: the key a heartbeat keeps alive, what the sweep reads from it, and
+a worker whose Redis is out of reach when it starts."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +19,11 @@ from pytest_django import Settings
 
 from celery_orphans.conf import settings as orphans_settings
 from celery_orphans.leases import fresh_boots
-from celery_orphans.worker import heartbeat as heartbeats
-from tests.helpers import MakeBeat, boots_of, exit_code_of, lease_key, wait_for
+from celery_orphans.store import Keys
+from celery_orphans.worker import forfeit, lifecycle
+from tests.helpers import MakeBeat, boots_of, exit_code_of, lease_key, started_on, wait_for
+from tests.services import RedisServer, TcpProxy
+from tests.workers import WorkerPool
 
 
 def test_a_started_heartbeat_writes_its_lease_with_the_lease_expiry(
@@ -94,7 +100,7 @@ def test_stop_without_start_drops_a_lease_written_by_renew(
     assert boots_of(redis_client, node) == set()
 
 
-def test_one_renewal_is_one_round_trip_of_one_script_call(
+def test_one_renewal_is_one_round_trip_of_script_calls_alone(
     beat: MakeBeat, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, node: str
 ) -> None:
     heartbeat = beat(node)  # not started: only the renewals below talk to Redis
@@ -113,8 +119,9 @@ def test_one_renewal_is_one_round_trip_of_one_script_call(
     monkeypatch.undo()
 
     assert len(sent) == renewals
+    calls = [b"EVALSHA"] * (2 if heartbeat.presence is not None else 1)  # the lease's, its presence's
     for payload in sent:
-        assert re.findall(rb"\*\d+\r\n\$\d+\r\n([A-Z]+)\r\n", payload) == [b"EVALSHA"]
+        assert re.findall(rb"\*\d+\r\n\$\d+\r\n([A-Z]+)\r\n", payload) == calls
 
 
 def test_a_forked_child_never_renews_its_parents_lease(
@@ -142,28 +149,29 @@ def test_a_forked_child_never_renews_its_parents_lease(
     assert heartbeat.renew() is True  # the parent still can
 
 
-def test_start_twice_in_one_process_returns_the_same_heartbeat(
+def test_take_twice_in_one_process_returns_the_same_heartbeat(
     beat: MakeBeat, redis_client: redis.Redis, node: str
 ) -> None:
-    first = heartbeats.start(node)
-    second = heartbeats.start(node)
+    first = lifecycle.take(node)
+    first.start()
+    second = lifecycle.take(node)
 
     assert second is first
-    assert heartbeats.current() is first
+    assert lifecycle.current() is first
     assert boots_of(redis_client, node) == {first.boot}
 
-    heartbeats.stop()
+    lifecycle.stop()
 
-    assert heartbeats.current() is None
+    assert lifecycle.current() is None
     assert redis_client.exists(lease_key(first)) == 0
     assert boots_of(redis_client, node) == set()
 
 
 def test_no_heartbeat_is_current_before_start(beat: MakeBeat) -> None:
-    heartbeats.stop()
+    lifecycle.stop()
 
-    assert heartbeats.current() is None
-    heartbeats.stop()  # stopping nothing is harmless
+    assert lifecycle.current() is None
+    lifecycle.stop()  # stopping nothing is harmless
 
 
 def test_renew_survives_redis_being_unreachable_and_warns_once_per_outage(
@@ -223,3 +231,142 @@ def test_a_running_heartbeat_outlives_an_outage(
     assert heartbeat._thread is not None
     assert heartbeat._thread.is_alive()
     assert fresh_boots([node])[node] == {heartbeat.boot}
+
+
+# --- a ledger out of reach when the worker starts -------------------------------------------------
+
+UNREACHABLE = "redis://:pw-s3cret@127.0.0.1:1/0"  # nothing listens on port 1
+
+
+def records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name.startswith("celery_orphans") and r.levelno == level
+    ]
+
+
+def test_while_no_lease_holds_the_tries_back_off_to_one_heartbeat(
+    beat: MakeBeat, settings: Settings, own_clients: None, caplog: pytest.LogCaptureFixture, node: str
+) -> None:
+    settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = 2
+    settings.CELERY_ORPHANS_LEASE_SECONDS = 10
+    settings.CELERY_ORPHANS_REDIS_URL = UNREACHABLE
+    heartbeat = beat(node)
+
+    assert heartbeat.take() is False
+    waits = [heartbeat._until_next()]
+    for _ in range(4):
+        assert heartbeat.renew() is False
+        waits.append(heartbeat._until_next())
+    heartbeat.stop()  # no lease of its own to drop
+
+    assert waits == [0.25, 0.5, 1.0, 2.0, 2.0]
+    assert not heartbeat.leased
+    # Not started: nothing said yet (start() says it once); the failed tries and the stop say nothing.
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_heartbeat_that_cannot_reach_its_ledger_says_so_once_and_takes_its_lease_when_it_answers(
+    beat: MakeBeat,
+    settings: Settings,
+    own_clients: None,
+    caplog: pytest.LogCaptureFixture,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    node: str,
+) -> None:
+    settings.CELERY_ORPHANS_REDIS_URL = UNREACHABLE
+    heartbeat = beat(node)
+    tries = []
+    write = heartbeat._write
+    monkeypatch.setattr(heartbeat, "_write", lambda *a, **kw: tries.append(1) or write(*a, **kw))
+    taken: list[bool] = []
+    caplog.set_level(logging.INFO, logger="celery_orphans")
+
+    assert heartbeat.take() is False
+    heartbeat.when_taken(lambda: taken.append(heartbeat.leased))
+    assert records(caplog, logging.ERROR) == []  # said once the worker's logging is set up: at start()
+    heartbeat.start()
+    wait_for(lambda: len(tries) >= 4, what="the heartbeat to try again, and again")
+    assert not heartbeat.leased and taken == []
+    assert not forfeit.holds(heartbeat.generation)
+
+    settings.CELERY_ORPHANS_REDIS_URL = django_settings.REDIS_URL
+    wait_for(lambda: heartbeat.leased, what="the lease to be taken once Redis answers")
+
+    assert redis_client.exists(lease_key(heartbeat)) == 1
+    assert forfeit.holds(heartbeat.generation)
+    # The thread runs what waited for the lease just after it publishes the lease's validity.
+    wait_for(lambda: taken, what="what waited for the lease to run")
+    assert taken == [True]
+    [error] = records(caplog, logging.ERROR)
+    assert error.startswith(f"celery-orphans: worker {node} cannot reach its ledger's Redis at 127.0.0.1:1 (")
+    assert "it holds no lease" in error and "pw-s3cret" not in error
+    assert records(caplog, logging.WARNING) == []
+    [info] = records(caplog, logging.INFO)
+    assert info.startswith(
+        f"celery-orphans: lease of {node} (boot {heartbeat.boot}) taken: its ledger answered"
+    )
+
+
+def test_the_lease_of_a_heartbeat_taken_at_once_runs_what_waits_for_it_at_once(
+    beat: MakeBeat, node: str
+) -> None:
+    heartbeat = beat(node)
+    assert heartbeat.take() is True
+    taken: list[bool] = []
+    heartbeat.when_taken(lambda: taken.append(heartbeat.leased))
+    assert taken == [True]
+
+
+@pytest.mark.worker
+def test_a_worker_that_cannot_reach_its_ledger_at_start_runs_tasks_unrecorded_then_records_them(
+    workers: WorkerPool, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    from demoapp.tasks import add, summarize
+
+    ledger = RedisServer(tmp_path / "ledger", password="pw-s3cret").start()
+    proxy = TcpProxy(ledger.port)  # the worker's way to its ledger, closed at first
+    proxy.cut()
+    env = {
+        "CELERY_ORPHANS_REDIS_URL": f"redis://:pw-s3cret@127.0.0.1:{proxy.port}/0",
+        "CELERY_ORPHANS_BOOT_SWEEP": "true",
+        "CELERY_ORPHANS_HEARTBEAT_SECONDS": "4",
+        "CELERY_ORPHANS_LEASE_SECONDS": "13",
+    }
+    try:
+        worker = workers.start("unledgered@test", env=env)
+
+        def quiet_after_a_try_that_followed_a_pause() -> bool:
+            # The tries back off (0.25, 0.5, 1, 2 s apart, then a heartbeat): after a 2 s pause the next
+            # comes 4 s later, so a task sent now is admitted while Redis answers and no lease holds.
+            tried = list(proxy.refused)
+            paused = any(b - a >= 1.9 for a, b in itertools.pairwise(tried))
+            return paused and time.monotonic() - tried[-1] > 1.0
+
+        wait_for(quiet_after_a_try_that_followed_a_pause, 30, "the worker's tries to back off")
+        proxy.restore()
+        unrecorded = add.delay(2, 3)
+        # Admitted with no lease: it ran unrecorded, with no generation stamped on it that does not hold.
+        assert unrecorded.get(timeout=10) == 5
+        wait_for(lambda: "unledgered@test (boot" in worker.log() and "taken: its ledger" in worker.log(), 15)
+        log = worker.log()
+        assert log.index(f"demoapp.add[{unrecorded.id}] succeeded") < log.index("taken: its ledger")
+        assert not ledger.client().exists(Keys.current().entry(unrecorded.id))
+
+        recorded = summarize.delay([1, 2], seconds=3)
+        started_on(recorded.id, "unledgered@test")
+        assert ledger.client().exists(Keys.current().entry(recorded.id))  # under the lease now
+        assert recorded.get(timeout=20) == 3
+        wait_for(lambda: not ledger.client().exists(Keys.current().entry(recorded.id)), 5, "its release")
+    finally:
+        proxy.close()
+        workers.close()
+        ledger.stop()
+
+    log = worker.log()
+    # One line, in Celery's log (the test project's own handler prints each celery-orphans line again).
+    said = "ERROR/MainProcess] celery-orphans: worker unledgered"
+    [said] = [line for line in log.splitlines() if said in line]
+    assert f"cannot reach its ledger's Redis at 127.0.0.1:{proxy.port} (" in said
+    for noise in ("pw-s3cret", "Traceback", "Exception in thread", "cannot renew", "cannot record"):
+        assert noise not in log

@@ -15,8 +15,9 @@ from celery_orphans.entry import (
     Entry,
 )
 from celery_orphans.ledger import Admission, Fence, Ledger
+from celery_orphans.recovery.claims import ALL_RETRIES
+from celery_orphans.scripts import ClaimMode
 from celery_orphans.store import Keys, client
-from celery_orphans.sweep.actions import ALL_RETRIES
 from tests.factories import work_entry
 from tests.helpers import wait_for
 
@@ -32,7 +33,9 @@ TTL = 3600
 def claim(
     ledger: Ledger, task_id: str, mode: str, *, token: str = "", attempts: int = 0, retries: int = 0
 ) -> Any:
-    return ledger.claim(task_id, token=token, attempts=attempts, retries=retries, ttl=TTL, mode=mode)
+    return ledger.claim(
+        task_id, token=token, attempts=attempts, retries=retries, ttl=TTL, mode=ClaimMode(mode)
+    )
 
 
 def inflight(ledger: Ledger) -> set[str]:
@@ -273,7 +276,7 @@ def test_of_concurrent_claims_on_one_observation_exactly_one_wins(ledger: Ledger
 
     def contend() -> None:
         barrier.wait()
-        result = ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=TTL, mode="recover")
+        result = ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=TTL, mode=ClaimMode.RECOVER)
         with lock:
             results.append(result)
 
@@ -294,7 +297,7 @@ def test_a_claim_that_raises_the_fence_gives_it_the_requested_ttl(
     e = work_entry("t")
     ledger.admit_delivery(e)
 
-    ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=1234, mode=mode)
+    ledger.claim("t", token=e.token, attempts=0, retries=0, ttl=1234, mode=ClaimMode(mode))
 
     assert 1233 <= redis_client.ttl(ledger.keys.fence("t")) <= 1234
 
@@ -315,6 +318,22 @@ def test_a_recover_claim_fences_off_older_copies_of_the_same_retry(ledger: Ledge
     assert admit(ledger, work_entry("t", retries=1, attempt=2)) is True  # the current recovery
     assert admit(ledger, work_entry("t", retries=1, attempt=3)) is True
     assert admit(ledger, work_entry("t", retries=2)) is True  # the task retried itself since: a new message
+
+
+def test_reading_the_fence_alone_finds_the_same_copies_stale_as_the_admission(ledger: Ledger) -> None:
+    # A worker that cannot write an entry (no lease held, writes refused) still drops overtaken copies.
+    e = work_entry("t", retries=1)
+    assert ledger.stale(e) is False  # no fence yet
+    ledger.admit_delivery(e)
+    claim(ledger, "t", "recover", token=e.token, retries=1)
+    copies = [(1, None), (1, 1), (0, 2), (1, 2), (2, None)]
+
+    found = [ledger.stale(work_entry("t", retries=r, attempt=a)) for r, a in copies]
+
+    assert found == [True, False, True, False, False]
+    assert found == [not admit(ledger, work_entry("t", retries=r, attempt=a)) for r, a in copies]
+    claim(ledger, "t", "terminal", token=ledger.load(["t"])["t"].token, attempts=1, retries=ALL_RETRIES)
+    assert ledger.stale(work_entry("t", retries=5, attempt=9)) is True
 
 
 def test_a_refused_copy_leaves_the_current_entry_alone(ledger: Ledger) -> None:
@@ -623,3 +642,127 @@ def test_an_entry_written_without_its_copy_is_never_taken_for_a_redelivery(
     redis_client.hset(Keys.current().entry("t"), mapping={"token": older.token, "entry": older.to_json()})
 
     assert redeliver(ledger, work_entry("t")) == Admission(admitted=True, attempts=0)
+
+
+# --- the cap: the message kept, the cap lifted ----------------------------------------------------
+
+
+def capped(ledger: Ledger) -> Entry:
+    """A task recovered once and then marked terminal at its cap of 1: the message of its last copy kept."""
+    lost = work_entry("t")
+    ledger.admit_delivery(lost)
+    claim(ledger, "t", "recover", token=lost.token)
+    last = work_entry("t", attempt=1)
+    ledger.admit_delivery(last)
+    kept = ledger.claim(
+        "t", token=last.token, attempts=1, retries=ALL_RETRIES, ttl=TTL, mode=ClaimMode.TERMINAL, keep=True
+    )
+    assert kept == 1
+    return last
+
+
+def test_a_terminal_mark_at_the_cap_keeps_the_message_where_no_sweep_or_release_reaches_it(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    last = capped(ledger)
+
+    key = Keys.current().entry("t")
+    assert float(redis_client.hget(key, "capped") or 0) == 1000.0  # its place on the index, for the lift
+    assert 0 < redis_client.ttl(key) <= TTL  # kept as long as the fence, no longer
+    assert inflight(ledger) == set()
+    assert ledger.release("t", last.token) is False
+    assert ledger.release_many([("t", last.token)]) == 0
+    assert ledger.admit_delivery(work_entry("u"), [("t", last.token)]).admitted
+    assert ledger.hand_back("t", last.token) is False
+    assert redis_client.exists(key) == 1
+    for retries, attempt in [(0, None), (0, 1), (0, 5), (7, 0)]:
+        assert admit(ledger, work_entry("t", retries=retries, attempt=attempt)) is False
+    assert ledger.load_with_fences(["t"])[1]["t"].attempts == 1
+
+
+def test_lifting_the_cap_gives_the_kept_message_back_to_the_sweeps_for_one_recovery_more(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    last = capped(ledger)
+
+    lifted = ledger.lift("t")
+
+    assert (lifted.lifted, lifted.attempts) == (True, 1)
+    assert inflight(ledger) == {"t"}
+    assert ledger.older_than(1000.0) == ["t"]  # back at its own place: as old as it was
+    # Under a token of its own: a release queued for the capped delivery, landing now, takes nothing.
+    lifted_token = f"{last.token}~2"
+    assert ledger.load(["t"]) == {"t": dataclasses.replace(last, token=lifted_token)}
+    assert ledger.release("t", last.token) is False
+    assert ledger.release_many([("t", last.token)]) == 0
+    assert ledger.hand_back("t", last.token) is False
+    # Kept, with the lifted cap, until the sweep's recovery, however long that takes.
+    assert redis_client.ttl(Keys.current().entry("t")) == -1
+    assert redis_client.ttl(Keys.current().fence("t")) == -1
+    assert ledger.load_with_fences(["t"])[1]["t"].lifted == 2
+    # Until the sweep's recovery, every copy is still stale: only the one it sends runs.
+    assert admit(ledger, work_entry("t", attempt=1)) is False
+    assert claim(ledger, "t", "recover", token=lifted_token, attempts=1) == 2
+    assert 0 < redis_client.ttl(Keys.current().fence("t")) <= TTL  # the recovery's window, as any
+    assert admit(ledger, work_entry("t", attempt=2)) is True
+    assert ledger.lift("t").done == 0  # not terminal now: nothing to lift
+
+
+def test_after_the_one_recovery_a_lift_allows_a_redelivery_is_at_the_cap_again(ledger: Ledger) -> None:
+    last = capped(ledger)
+    ledger.lift("t")
+    assert claim(ledger, "t", "recover", token=f"{last.token}~2", attempts=1) == 2
+    sent = work_entry("t", attempt=2)
+    assert ledger.admit_delivery(sent, cap=1, ttl=TTL) == Admission(admitted=True, attempts=2)
+
+    # Its worker dies and the broker delivers that copy again: the cap the admission applies is the
+    # lifted one (2), and it was used: the worker marks it terminal instead of running it.
+    again = ledger.admit_delivery(work_entry("t", attempt=2), cap=1, ttl=TTL)
+
+    assert (again.admitted, again.attempts, again.limit_reached, again.redelivered) == (True, 2, True, False)
+
+
+def test_a_lifted_cap_counts_a_redelivery_the_plain_cap_would_stop(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    lost = work_entry("t")
+    ledger.admit_delivery(lost, cap=1, ttl=TTL)
+    redis_client.hset(
+        Keys.current().fence("t"), mapping={"attempts": 1, "lifted": 2, "retries": 0, "copy": 0}
+    )
+
+    again = ledger.admit_delivery(work_entry("t"), cap=1, ttl=TTL)
+
+    assert (again.admitted, again.attempts, again.redelivered, again.limit_reached) == (True, 2, True, False)
+
+
+def test_a_lift_is_refused_without_a_terminal_fence_or_without_a_kept_message(ledger: Ledger) -> None:
+    running = work_entry("t")
+    ledger.admit_delivery(running)
+    assert ledger.lift("t").done == 0  # running: not terminal
+    assert inflight(ledger) == {"t"}
+
+    claim(ledger, "t", "terminal", token=running.token, retries=ALL_RETRIES)  # not at the cap: not kept
+    assert ledger.lift("t").done == -1
+
+    assert admit(ledger, work_entry("t", retries=1)) is False  # still terminal
+    assert ledger.lift("never-seen").done == 0
+
+
+def test_an_entry_is_never_written_under_a_boot_whose_lease_lapsed(ledger: Ledger) -> None:
+    """A write held up by the network lands after its boot's lease lapsed: no entry may name that boot,
+    which the sweep judges gone while its worker runs the task unprotected."""
+    e = work_entry("t")
+    lease = ledger.keys.lease(e.node, e.boot)
+
+    late = ledger.admit_delivery(e, lease=lease)
+
+    assert (late.writer_gone, late.admitted) == (True, False)
+    assert not ledger.client.exists(ledger.keys.entry("t"))
+
+    ledger.client.set(lease, b"1", px=10_000)
+    assert ledger.admit_delivery(e, lease=lease).admitted
+    # A record whose last renewal still holds keeps a boot alive as it does for the sweep.
+    ledger.client.delete(lease, ledger.keys.entry("t"))
+    ledger.client.hset(ledger.keys.boots(e.node), e.boot, f"1:{2**50}")
+    assert ledger.admit_delivery(e, lease=lease).admitted

@@ -8,7 +8,7 @@ from django_celery_results.models import TaskResult
 
 from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
-from tests.helpers import wait_for
+from tests.helpers import boots_of, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -17,13 +17,14 @@ def ledger() -> Ledger:
     return Ledger(client(), Keys.current())
 
 
-def test_entry_exists_while_the_task_runs_and_names_this_worker_boot(workers):
+def test_entry_exists_while_the_task_runs_and_names_this_worker_boot(workers, redis_client):
     from demoapp.tasks import summarize
 
     workers.start("life@test")
     result = summarize.delay([1], seconds=2)
     entry = wait_for(lambda: ledger().load([result.id])[result.id], 15, "the ledger entry")
     assert entry.node == "life@test" and entry.task_name == "demoapp.summarize"
+    assert {entry.boot} == boots_of(redis_client, "life@test")  # the boot whose lease the worker holds
     assert entry.delivery.headers["id"] == result.id
     assert result.get(timeout=15) == 1
     # Removed just after the acknowledgement, which follows the result: by the worker's next ledger

@@ -4,9 +4,6 @@ The broker and the test project's records of runs stay on the run's plain Redis.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,55 +12,31 @@ from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys, client
 from tests.helpers import starts, summarize_on_a_doomed_worker, wait_for
-from tests.services import RedisSentinel, RedisServer
+from tests.services import SentinelSet
 
 pytestmark = pytest.mark.worker
 
 
-@dataclass
-class Servers:
-    master: RedisServer
-    replica: RedisServer
-    sentinel: RedisSentinel
-
-
-@pytest.fixture
-def servers(tmp_path: Path) -> Iterator[Servers]:
-    """A master, a replica holding its data, and a sentinel watching the master as ``orphans``."""
-    master = RedisServer(tmp_path / "master").start()
-    replica = RedisServer(tmp_path / "replica").start().replicate(master)
-    sentinel = RedisSentinel(tmp_path / "sentinel", master).start()
-    wait_for(
-        lambda: sentinel.client().sentinel_slaves("orphans"),
-        20,
-        "the sentinel to find the replica",
-        interval=0.2,
-    )
-    yield Servers(master, replica, sentinel)
-    for server in (sentinel, replica, master):
-        server.stop()
-
-
 def test_a_ledger_behind_sentinel_survives_a_failover_and_recovers_a_killed_workers_task(
-    workers: Any, servers: Servers, settings: Any, own_clients: None
+    workers: Any, sentinel_servers: SentinelSet, settings: Any, own_clients: None
 ) -> None:
     env = {
-        "CELERY_ORPHANS_REDIS_URL": servers.sentinel.url(),
+        "CELERY_ORPHANS_REDIS_URL": sentinel_servers.sentinel.url(),
         "CELERY_ORPHANS_REDIS_SENTINEL_MASTER": "orphans",
         # Longer than the failover (about two seconds here), which must not cost any worker its lease.
         "CELERY_ORPHANS_LEASE_SECONDS": "8",
         "CELERY_ORPHANS_HEARTBEAT_SECONDS": "0.5",
     }
-    settings.CELERY_ORPHANS_REDIS_URL = servers.sentinel.url()
+    settings.CELERY_ORPHANS_REDIS_URL = sentinel_servers.sentinel.url()
     settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
     doomed, result = summarize_on_a_doomed_worker(workers, "sentinel", seconds=6, env=env)
     # The entry reached the replica (replication is asynchronous: what did not is lost with the master).
     entry = Keys.current().entry(result.id)
-    wait_for(lambda: servers.replica.client().exists(entry), 10, "the entry on the replica")
+    wait_for(lambda: sentinel_servers.replica.client().exists(entry), 10, "the entry on the replica")
 
-    servers.master.stop()  # the master's machine is lost
+    sentinel_servers.master.stop()  # the master's machine is lost
     wait_for(
-        lambda: servers.sentinel.master_port() == servers.replica.port,
+        lambda: sentinel_servers.sentinel.master_port() == sentinel_servers.replica.port,
         20,
         "the sentinel to promote the replica",
     )

@@ -6,10 +6,12 @@ import time
 
 import pytest
 import redis
+from django_celery_results.models import TaskResult
 from kombu.pidbox import Mailbox
 
+from celery_orphans.models import OrphanEvent
 from celery_orphans.sweep import liveness
-from tests.helpers import started_on, wait_for
+from tests.helpers import started_on, starts, summarize_on_a_doomed_worker, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -77,3 +79,30 @@ def test_a_question_whose_replies_were_cut_off_leaves_no_binding_that_hides_the_
     redis_client.flushdb()  # the broker loses its bindings (a restart, a failover)
 
     assert liveness.ask_workers(celery_app, ["rebind@test"], [], timeout=2.0) == {"rebind@test": frozenset()}
+
+
+@pytest.mark.worker
+def test_a_leftover_row_of_a_task_no_longer_registered_does_not_hold_up_a_dead_worker_s_recovery(
+    workers,
+):
+    """A STARTED row of a task renamed away by a deploy, on a node long gone (no boot of it on record), is
+    reported, never judged: its node's answer decides nothing, so it is not asked. Since nodes without a
+    live boot are asked (a worker cut off from its ledger holds none), every sweep asked it, and waited out
+    its silence before deciding anything: with an 8 s inspect timeout, the watch's sweep after a SIGKILL
+    sent the dead worker's task again 8.6 s after the kill instead of 0.8 to 0.9 s (load 9 on 2 cores),
+    and every later sweep waited as long."""
+    from tests.factories import orphan
+
+    leftover = orphan("demoapp.renamed_away", started_ago=600, entry=False, worker="retired@test")
+    env = {"CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS": "8"}
+    doomed, result = summarize_on_a_doomed_worker(workers, "leftover", seconds=30, env=env)
+
+    killed = time.monotonic()
+    doomed.kill()
+    wait_for(lambda: starts(result.id) == 2, 30, "the dead worker's task to run again")
+    after = time.monotonic() - killed
+
+    [event] = OrphanEvent.objects.filter(task_id=result.id)
+    assert (event.action, event.evidence) == ("recovered", "process_exited")
+    assert after < 8, f"the sweep waited out the silence of a node it had no need to ask ({after:.2f} s)"
+    assert TaskResult.objects.get(task_id=leftover).status == "STARTED"  # reported, untouched

@@ -9,15 +9,16 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
+import redis
 from celery import Celery
 from django.core.management import call_command
 from django.test import override_settings
 from django_celery_results.models import TaskResult
 
-from celery_orphans import sweep
+from celery_orphans import logs, sweep
+from celery_orphans.decision import Action
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.models import Trigger
-from celery_orphans.reconcile import Action
 from tests import factories
 from tests.celery_conf import patch_setting, set_setting
 from tests.helpers import manage, wait_for
@@ -74,6 +75,26 @@ def test_a_sweep_with_nothing_to_judge_logs_its_summary_at_debug_level(redis_cli
     assert SUMMARY.match(line.getMessage())
 
 
+def test_a_sweep_that_only_finds_what_it_can_report_says_so_at_info_once(redis_client, caplog):
+    sweep.run(sweep.Options(trigger=Trigger.BEAT))  # the process's first sweep sets up Celery's logging
+    factories.orphan(started_ago=-3600, entry=False)  # its start is an hour ahead: unreadable, audited
+    factories.orphan("demoapp.no_such_task", entry=False)  # not registered here: reported, not audited
+    with caplog.at_level(logging.DEBUG, logger="celery_orphans"):
+        sweep.run(sweep.Options(trigger=Trigger.BEAT))
+        (first,) = messages(caplog, "celery_orphans.sweep.runner")
+        caplog.clear()
+        sweep.run(sweep.Options(trigger=Trigger.BEAT))
+        sweep.run(sweep.Options(trigger=Trigger.BEAT))
+        again = messages(caplog, "celery_orphans.sweep.runner")
+
+    # The first sweep reported the unreadable record (its audit row is new); the next find nothing new.
+    assert first.levelno == logging.INFO
+    assert "1 unreadable, 1 of a task not registered here" in first.getMessage()
+    assert [r.levelno for r in again] == [logging.DEBUG, logging.DEBUG]
+    said = first.getMessage().rsplit(" (", 1)[0]  # the same counts; the duration may differ
+    assert [r.getMessage().rsplit(" (", 1)[0] for r in again] == [said, said]
+
+
 # --- one line per action -------------------------------------------------------------------------
 
 
@@ -85,11 +106,19 @@ def test_every_action_logs_one_line_with_the_task_id_name_worker_and_reason(redi
         tasks["mark_terminal"]: ("demoapp.scan", "not_recoverable"),
         tasks["forget"]: ("demoapp.summarize", "already_finished"),
     }
-    with caplog.at_level(logging.INFO, logger="celery_orphans"):
+    with caplog.at_level(logging.DEBUG, logger="celery_orphans"):
         sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=1, shadow=shadow))
 
-    lines = [r.getMessage() for r in messages(caplog, "celery_orphans.sweep.actions")]
+    records = messages(caplog, "celery_orphans.recovery.executor")
+    lines = [r.getMessage() for r in records]
     assert len(lines) == len(expected)
+    # Recoveries and terminal marks are what an operator watches for; forgetting is housekeeping.
+    levels = {task_id: r.levelno for r in records for task_id in expected if task_id in r.getMessage()}
+    assert levels == {
+        tasks["recover"]: logging.WARNING,
+        tasks["mark_terminal"]: logging.WARNING,
+        tasks["forget"]: logging.DEBUG,
+    }
     for task_id, (name, reason) in expected.items():
         (line,) = [line for line in lines if task_id in line]
         assert f"{name}[{task_id}]" in line
@@ -97,6 +126,23 @@ def test_every_action_logs_one_line_with_the_task_id_name_worker_and_reason(redi
         assert reason in line
         assert line.startswith("celery-orphans: shadow mode: would have ") is shadow
     assert not any(tasks["leave"] in line for line in lines)
+
+
+def test_shadow_mode_says_what_it_would_have_done_once_per_orphan(redis_client, caplog):
+    tasks = three_orphans_and_one_running()
+    options = sweep.Options(trigger=Trigger.BEAT, grace_seconds=1, shadow=True)
+    with caplog.at_level(logging.INFO, logger="celery_orphans"):
+        sweep.run(options)
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        sweep.run(options)
+        sweep.run(options)
+
+    [said] = [line for line in first if tasks["recover"] in line]
+    assert said.startswith(
+        f"celery-orphans: shadow mode: would have recovered demoapp.summarize[{tasks['recover']}]"
+    )
+    assert caplog.messages == []  # the same orphans again: nothing new to say, not even a summary
 
 
 # --- no credentials, ever ------------------------------------------------------------------------
@@ -228,3 +274,37 @@ def test_the_result_backend_check_prints_no_password(monkeypatch, capsys):
 
     assert "celery_orphans.E001" in str(raised.value)
     assert_no_password(str(raised.value), *capsys.readouterr())
+
+
+# --- whose line it is ----------------------------------------------------------------------------
+
+
+def test_a_line_names_celery_orphans_once_and_goes_to_the_modules_logger(caplog):
+    logger = logs.get("celery_orphans.sweep.runner")
+
+    with caplog.at_level(logging.INFO, logger="celery_orphans"):
+        logger.info("recovered %d orphaned tasks", 3)
+
+    [record] = caplog.records
+    assert record.name == "celery_orphans.sweep.runner"
+    assert record.getMessage() == "celery-orphans: recovered 3 orphaned tasks"
+
+
+def test_a_harmless_redis_fault_is_logged_with_what_failed_and_let_go(caplog):
+    logger = logs.get("celery_orphans.recovery.executor")
+    ran_on = []
+
+    with caplog.at_level(logging.WARNING, logger="celery_orphans"):
+        with logs.redis_fault_let_go(logger, "remove the checkpoint of %s", "t-1"):
+            raise redis.ConnectionError("Connection refused")
+        ran_on.append("after")
+
+    assert ran_on == ["after"]
+    assert caplog.messages == ["celery-orphans: could not remove the checkpoint of t-1: Connection refused"]
+
+
+def test_any_other_fault_is_not_let_go():
+    logger = logs.get("celery_orphans.recovery.executor")
+
+    with pytest.raises(ValueError, match="a bug"), logs.redis_fault_let_go(logger, "do a thing"):
+        raise ValueError("a bug")

@@ -18,6 +18,7 @@ from celery_orphans.conf import settings as orphan_settings
 schedule = importlib.import_module("celery_orphans.migrations.0002_beat_schedule")
 BEFORE = ("celery_orphans", "0001_initial")
 SCHEDULE = ("celery_orphans", "0002_beat_schedule")
+EXPIRES = ("celery_orphans", "0007_beat_schedule_expires")
 LONG_AGO = datetime(2000, 1, 1, tzinfo=timezone.utc)
 
 
@@ -75,6 +76,35 @@ def test_schedule_interval_comes_from_the_setting_at_migrate_time(migrator, sett
     migrate(SCHEDULE)
 
     assert PeriodicTask.objects.get(name=schedule.SCHEDULE_NAME).interval.every == 37
+
+
+def test_beat_sends_each_sweep_with_an_expiry_of_one_interval_so_waiting_sweeps_do_not_pile_up(migrator):
+    from celery import current_app
+    from django_celery_beat.schedulers import ModelEntry
+
+    migrate(BEFORE)
+    migrate(SCHEDULE)
+    PeriodicTask.objects.filter(name=schedule.SCHEDULE_NAME).update(
+        interval=IntervalSchedule.objects.create(every=7, period="seconds")
+    )
+    pretend_beat_last_loaded_long_ago()
+
+    migrate(EXPIRES)
+
+    entry = ModelEntry(PeriodicTask.objects.get(name=schedule.SCHEDULE_NAME), app=current_app)
+    assert entry.options["expires"] == 7
+    assert last_update() > LONG_AGO
+
+
+def test_migrating_back_past_the_expiry_leaves_the_schedule_without_one(migrator):
+    migrate(BEFORE)
+    migrate(EXPIRES)
+    expires = PeriodicTask.objects.get(name=schedule.SCHEDULE_NAME).expire_seconds
+    assert expires == orphan_settings.SWEEP_INTERVAL_SECONDS
+
+    migrate(SCHEDULE)
+
+    assert PeriodicTask.objects.get(name=schedule.SCHEDULE_NAME).expire_seconds is None
 
 
 def test_migrating_back_removes_the_schedule_and_tells_beat(migrator):
@@ -144,3 +174,12 @@ def test_models_and_migrations_agree():
     call_command("makemigrations", "celery_orphans", check_changes=True, dry_run=True, stdout=out)
 
     assert "No changes detected" in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_migrating_creates_the_permission_to_lift_a_recovery_cap():
+    from django.contrib.auth.models import Permission
+
+    lift = Permission.objects.get(content_type__app_label="celery_orphans", codename="lift_recovery_cap")
+
+    assert lift.name == "Can lift the recovery cap of a task marked terminal at it"

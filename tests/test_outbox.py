@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
+from typing import Any
 
 import pytest
 import redis
 
 from celery_orphans.entry import Entry
-from celery_orphans.ledger import Ledger
+from celery_orphans.ledger import Ledger, ledger_for
 from celery_orphans.store import Keys
+from celery_orphans.worker.line import OUTBOX_CLIENT_NAME
 from celery_orphans.worker.outbox import Outbox
 from tests.factories import work_entry
 from tests.helpers import exit_code_of, wait_for
+from tests.services import RedisServer, SentinelSet
 
 LEASE = "celery_orphans:lease:celery@host:boot-a"  # the writing boot's, as a worker passes it
+
+
+@pytest.fixture(autouse=True)
+def lease_held(redis_client: redis.Redis) -> None:
+    """The writing boot holds its lease, as a worker's does while it writes (no entry is written under a
+    boot whose lease lapsed)."""
+    redis_client.set(LEASE, b"1", px=600_000)
 
 
 def recovered_once(redis_client: redis.Redis, task_id: str) -> None:
@@ -203,3 +214,82 @@ def test_a_forked_child_writes_on_its_own_connection_even_if_the_fork_caught_the
     assert exit_code_of(pid) == 0
     outbox.settle()
     assert ledger.load(["parent", "child"]) == {"parent": parent, "child": child}
+
+
+def outbox_connections(server: RedisServer) -> int:
+    return sum(1 for c in server.client().client_list() if c["name"] == OUTBOX_CLIENT_NAME)
+
+
+def test_through_sentinel_the_outbox_writes_to_the_master_the_sentinels_name(
+    sentinel_servers: SentinelSet, settings: Any, own_clients: None
+) -> None:
+    settings.CELERY_ORPHANS_REDIS_URL = sentinel_servers.sentinel.url()
+    settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
+    ledger = ledger_for()
+    ledger.client.set(LEASE, b"1", px=600_000)
+    outbox = Outbox(delay=60)
+    e = work_entry("t")
+
+    outbox.admit(ledger, e, LEASE)
+    outbox.settle()
+
+    assert outbox_connections(sentinel_servers.master) == 1
+    assert ledger.load(["t"])["t"] == e
+
+
+def test_through_sentinel_the_outbox_follows_a_failover_to_the_new_master(
+    sentinel_servers: SentinelSet, settings: Any, own_clients: None
+) -> None:
+    settings.CELERY_ORPHANS_REDIS_URL = sentinel_servers.sentinel.url()
+    settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
+    ledger = ledger_for()
+    ledger.client.set(LEASE, b"1", px=600_000)
+    ledger.client.execute_command("WAIT", 1, 5000)  # the replica has it before it is promoted
+    outbox = Outbox(delay=60)
+    outbox.admit(ledger, work_entry("before"), LEASE)
+    outbox.settle()
+    sentinel_servers.master.stop()
+    wait_for(
+        lambda: sentinel_servers.sentinel.master_port() == sentinel_servers.replica.port,
+        20,
+        "the sentinel to promote the replica",
+    )
+    after = work_entry("after")
+
+    # The first write after the failover finds its connection dead and is made again the slow way.
+    with contextlib.suppress(redis.RedisError):
+        outbox.admit(ledger, after, LEASE)
+    outbox.settle()
+    outbox.admit(ledger, work_entry("next"), LEASE)
+    outbox.settle()
+
+    assert outbox_connections(sentinel_servers.replica) == 1
+    found = ledger.load(["before", "after", "next"])
+    assert all(found.values()), found
+
+
+def test_the_worker_never_waits_behind_the_outboxs_thread_while_the_ledger_is_blackholed(
+    redis_client: redis.Redis,
+) -> None:
+    from tests.services import TcpProxy
+
+    proxy = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
+    try:
+        dark = Ledger(
+            redis.Redis.from_url(proxy.url(), socket_timeout=3, socket_connect_timeout=3), Keys.current()
+        )
+        outbox = Outbox(delay=0.01)
+        outbox.admit(dark, work_entry("warm-up"), LEASE)
+        outbox.settle()
+        proxy.blackhole()
+        outbox.admit(dark, work_entry("unanswered"), LEASE)  # its answer never comes
+        wait_for(lambda: outbox._reading.locked(), 2, "the thread to wait for the answer", interval=0.01)
+
+        started = time.monotonic()
+        outbox.release(dark, "done", "token")  # what the worker's main loop does at each acknowledgement
+        outbox.admit(dark, work_entry("next"), LEASE)  # and at each first-hand delivery
+        took = time.monotonic() - started
+    finally:
+        proxy.close()
+
+    assert took < 0.5, f"the main loop waited {took:.2f} s behind the outbox's thread"

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from celery_orphans import processes
 from celery_orphans.processes import Process
-from tests.helpers import exit_code_of
+from tests.helpers import exit_code_of, wait_for
 
 
-@pytest.fixture
-def child() -> Iterator[subprocess.Popen[bytes]]:
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     yield process
     process.kill()
     process.wait()
+
+
+child = pytest.fixture(sleeper, name="child")
+second_child = pytest.fixture(sleeper, name="second_child")
 
 
 def process_of(pid: int) -> Process:
@@ -98,3 +105,87 @@ def test_a_process_is_read_from_what_a_lease_records() -> None:
     assert Process.parse(None, "12 345") is None
     assert Process.parse("m", "12") is None
     assert Process.parse("m", "twelve 345") is None
+
+
+# --- following a process: the kernel says when it exits ----------------------------------------------
+
+
+class Reports:
+    """What an ``Exits`` reported, with when."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.at: list[float] = []
+        self.one = threading.Event()
+
+    def __call__(self, key: str) -> None:
+        self.at.append(time.monotonic())
+        self.keys.append(key)
+        self.one.set()
+
+
+def test_a_followed_process_is_reported_the_moment_it_is_killed(child: subprocess.Popen[bytes]) -> None:
+    reports = Reports()
+    exits: processes.Exits[str] = processes.Exits(reports)
+    exits.follow({"child": process_of(child.pid)})
+    wait_for(lambda: child.pid in _followed_pids(), what="the pidfd to be opened")
+
+    child.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+
+    assert reports.one.wait(10)
+    assert reports.keys == ["child"]
+    assert reports.at[0] - killed < 0.5  # the renewal's own check would see it a heartbeat (2 s) later
+
+
+def test_a_process_no_longer_followed_is_not_reported(
+    child: subprocess.Popen[bytes], second_child: subprocess.Popen[bytes]
+) -> None:
+    reports = Reports()
+    exits: processes.Exits[str] = processes.Exits(reports)
+    exits.follow({"first": process_of(child.pid)})
+    exits.follow({"second": process_of(second_child.pid)})
+    # A process that exits before its thread opens its pidfd cannot be followed (pidfd() refuses a zombie):
+    # kill them only once it follows the second alone.
+    wait_for(lambda: _followed_pids() == {second_child.pid}, what="the thread to follow the second alone")
+
+    child.send_signal(signal.SIGKILL)
+    second_child.send_signal(signal.SIGKILL)
+
+    assert reports.one.wait(10)
+    assert reports.keys == ["second"]
+
+
+def test_a_pid_used_again_by_another_process_is_not_followed(child: subprocess.Popen[bytes]) -> None:
+    process = process_of(child.pid)
+
+    assert processes.pidfd(Process(process.machine, process.pid, process.start + 1)) is None
+
+
+def test_a_process_of_another_machine_or_gone_is_not_followed(child: subprocess.Popen[bytes]) -> None:
+    process = process_of(child.pid)
+    child.kill()
+    child.wait()
+
+    assert processes.pidfd(Process("another-kernel/pid:[4026531836]", os.getpid(), 1)) is None
+    assert processes.pidfd(process) is None
+
+
+def _followed_pids() -> set[int]:
+    """The pids this process holds a pidfd of (the kernel names each in the descriptor's fdinfo)."""
+    pids = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        if _readlink(fd) != "anon_inode:[pidfd]":
+            continue
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/self/fdinfo/{fd.name}").read_text().splitlines():
+                if line.startswith("Pid:"):
+                    pids.add(int(line.split()[1]))
+    return pids
+
+
+def _readlink(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

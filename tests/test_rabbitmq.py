@@ -18,12 +18,12 @@ import pytest
 from django_celery_results.models import TaskResult
 
 from celery_orphans import sweep
+from celery_orphans.decision import Action, Evidence
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Ledger
-from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.reconcile import Action, Evidence
+from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys, client
-from tests.helpers import wait_for
+from tests.helpers import sweep_now, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -49,10 +49,6 @@ def executions(task_id: str) -> list[str]:
 def ledger_emptied() -> None:
     # The result is stored by the pool process; the entry goes a moment later, at the main process's ack.
     wait_for(lambda: Ledger(client(), Keys.current()).count() == 0, 15, "every ledger entry to be released")
-
-
-def sweep_now() -> sweep.Report:
-    return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
 
 
 def sweep_until_recovered(task_ids: set[str], timeout: float = 20) -> dict[str, sweep.Outcome]:

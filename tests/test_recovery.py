@@ -14,10 +14,10 @@ from django.db import connection
 from django_celery_results.models import TaskResult
 
 from celery_orphans import leases
+from celery_orphans.decision import Action, Evidence
 from celery_orphans.exceptions import RecoveryLimitReached, SweepLocked, TaskOrphaned
 from celery_orphans.ledger import Ledger
 from celery_orphans.models import OrphanEvent
-from celery_orphans.reconcile import Action, Evidence
 from celery_orphans.store import Keys, client
 from tests.helpers import finishes, outcome_of, started_on, starts, sweep_now, sweep_until, wait_for
 

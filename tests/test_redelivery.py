@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -56,10 +57,13 @@ def test_duplicates_of_live_executions_are_dropped_only_when_recovery_is_on(
 class Delivered(Held):
     """A request as the broker delivered it, for the first time or again."""
 
-    def __init__(self, task: Any, *, redelivered: bool, eta: str | None = None) -> None:
+    def __init__(
+        self, task: Any, *, redelivered: bool, eta: str | None = None, headers: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(task)
         self.delivery_info = {"exchange": "", "routing_key": "celery", "redelivered": redelivered}
         self.eta = eta
+        self.message = SimpleNamespace(headers=headers or {})
 
 
 @pytest.mark.parametrize(
@@ -88,3 +92,12 @@ def test_a_delivery_with_an_eta_is_always_checked(poison: Any) -> None:
     # A transport restores an ETA message a worker holds past its visibility timeout: the first worker's
     # copy, never delivered again, comes due at the same moment as the second worker's.
     assert first_hand(Delivered(poison, redelivered=False, eta="2026-11-25T12:00:00+00:00")) is False
+
+
+def test_a_copy_a_recovery_sent_is_always_checked(poison: Any) -> None:
+    # A sweep that crashed after its publish, or a publish retried after the broker took it, sends the
+    # same copy twice: neither is marked as delivered again, and only the admit can drop the second.
+    recovered = {"id": "t-1", "celery_orphans": {"attempt": 1}}
+
+    assert first_hand(Delivered(poison, redelivered=False, headers=recovered)) is False
+    assert first_hand(Delivered(poison, redelivered=False, headers={"id": "t-1"})) is True

@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 from django_celery_results.models import TaskResult
 
-from celery_orphans.sweep import rows
+from celery_orphans.recovery import rows
 
 pytestmark = pytest.mark.django_db
 

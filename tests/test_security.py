@@ -22,39 +22,29 @@ from django.urls import reverse
 from django_celery_results.models import TaskResult
 
 from celery_orphans import sweep
+from celery_orphans.decision import Action, Reason
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.ledger import Ledger
-from celery_orphans.models import OrphanEvent, Trigger
-from celery_orphans.reconcile import Action, Reason
+from celery_orphans.models import OrphanEvent
+from celery_orphans.recovery import broker
 from celery_orphans.store import Keys, client
-from celery_orphans.sweep import broker
 from tests import factories
-from tests.helpers import wait_for
+from tests.helpers import published, sweep_now, wait_for
 from tests.services import RedisServer
-
-QUEUE = "celery"
-
-
-def sweep_now() -> sweep.Report:
-    return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0))
 
 
 def decisions(report: sweep.Report) -> dict[str, tuple[Action, Reason]]:
     return {o.decision.task_id: (o.decision.action, o.decision.reason) for o in report.outcomes}
 
 
-def published(redis_client: Any, queue: str = QUEUE) -> list[dict[str, Any]]:
-    """The headers of every message waiting in ``queue`` (the Redis transport keeps them as JSON)."""
-    return [json.loads(raw)["headers"] for raw in redis_client.lrange(queue, 0, -1)]
-
-
 def rewrite_entry(task_id: str, change: Any) -> None:
-    """Forge the stored ledger entry of ``task_id``: ``change`` edits its JSON in place."""
+    """Alter the stored ledger entry of ``task_id`` as a holder of the signing key could: ``change`` edits
+    its JSON in place, and the entry is sealed again."""
     keys = Keys.current()
     conn = client()
-    data = json.loads(conn.hget(keys.entry(task_id), "entry"))
+    data = factories.opened(conn.hget(keys.entry(task_id), "entry"))
     change(data)
-    conn.hset(keys.entry(task_id), "entry", json.dumps(data))
+    conn.hset(keys.entry(task_id), "entry", factories.sealed(json.dumps(data)))
 
 
 @pytest.fixture

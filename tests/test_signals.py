@@ -95,6 +95,6 @@ def test_a_receiver_that_raises_is_logged_and_does_not_stop_the_sweep(redis_clie
 
     assert all(o.done for o in report.outcomes)
     assert sorted(k["task_id"] for name, k in received if name == "recovered") == sorted(ids)
-    ours = [r for r in caplog.records if r.name == "celery_orphans.sweep.audit"]
+    ours = [r for r in caplog.records if r.name == "celery_orphans.recovery.audit"]
     assert len(ours) == 2
     assert all("receiver bug" in r.getMessage() for r in ours)

@@ -95,13 +95,14 @@ def test_task_returns_locked_while_another_sweep_holds_the_lock(settings, caplog
     holder.start()
     try:
         assert holding.wait(timeout=10)
-        with caplog.at_level(logging.INFO, logger="celery_orphans"):
+        with caplog.at_level(logging.DEBUG, logger="celery_orphans"):
             assert reconcile() == "locked"
     finally:
         release.set()
         holder.join(timeout=10)
 
-    assert "celery-orphans: another sweep holds the lock; this one did nothing" in caplog.messages
+    [locked] = [r for r in caplog.records if "another sweep holds the lock" in r.getMessage()]
+    assert locked.levelno == logging.DEBUG  # routine: a worker's own sweeps hold it as Beat's arrives
     assert IDLE_SUMMARY.match(reconcile())
 
 
@@ -143,3 +144,19 @@ def test_celerys_received_and_succeeded_lines_of_the_sweep_task_stay_out_of_the_
         trace.info(trace.LOG_SUCCESS, {**line, "name": "demoapp.summarize"})
 
     assert [r.getMessage().split("[")[0] for r in caplog.records] == ["Task demoapp.summarize"]
+
+
+def test_beats_line_for_each_sweep_it_sends_stays_out_of_the_log(caplog):
+    from celery import beat
+
+    with caplog.at_level(logging.INFO):
+        beat.info(
+            "Scheduler: Sending due task %s (%s)", "celery-orphans: reconcile", "celery_orphans.reconcile"
+        )
+        beat.info("Scheduler: Sending due task %s (%s)", "nightly report", "demoapp.summarize")
+        beat.error("Message Error: %s\n%s", "celery_orphans.reconcile", "a traceback")
+
+    assert [r.getMessage().splitlines()[0] for r in caplog.records] == [
+        "Scheduler: Sending due task nightly report (demoapp.summarize)",
+        "Message Error: celery_orphans.reconcile",
+    ]

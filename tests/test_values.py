@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from celery_orphans.reconcile import Action, Decision, Evidence, Reason
-from celery_orphans.sweep.values import Outcome, Report
+from celery_orphans.decision import Action, Decision, Evidence, Reason
+from celery_orphans.recovery.outcome import Outcome
+from celery_orphans.sweep.values import Report
 
 
 def outcome(action: Action, reason: Reason, *, done: bool = True, attempt: int | None = None) -> Outcome:
@@ -30,6 +31,23 @@ def test_a_summary_counts_what_was_done_and_what_was_left() -> None:
     )
     assert report.count(Action.MARK_TERMINAL) == 2
     assert report.count(Action.MARK_TERMINAL, done_only=True) == 1
+
+
+def test_a_summary_names_apart_each_kind_of_task_it_could_only_report() -> None:
+    report = Report(
+        [
+            outcome(Action.REPORT, Reason.UNREADABLE, done=False),
+            outcome(Action.REPORT, Reason.UNKNOWN_TASK, done=False),
+            outcome(Action.REPORT, Reason.UNKNOWN_TASK, done=False),
+            outcome(Action.REPORT, Reason.NO_WORKER, done=False),
+        ]
+    )
+
+    assert report.summary() == (
+        "recovered 0 orphaned tasks, marked 0 terminal, forgotten 0 finished, 0 alive or in grace, "
+        "1 unreadable, 2 of a task not registered here, 1 without a worker (0.00s)"
+    )
+    assert report.reported() == {Reason.UNREADABLE: 1, Reason.UNKNOWN_TASK: 2, Reason.NO_WORKER: 1}
 
 
 def test_a_dry_run_summary_says_what_would_have_been_done() -> None:

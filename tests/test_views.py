@@ -13,9 +13,10 @@ from django.urls import reverse
 from django_celery_results.models import TaskResult
 from kombu.exceptions import OperationalError
 
-from celery_orphans import operations, sweep, views
+from celery_orphans import sweep, views
 from celery_orphans.models import OrphanEvent, Trigger
 from celery_orphans.sweep import runner
+from celery_orphans.verdicts import Verdict
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests import factories
 from tests.test_admin import event, sweep_lock_held_elsewhere
@@ -68,7 +69,47 @@ def test_users_without_the_permission_get_403_json(client, django_user_model, ur
 
     assert response.status_code == 403
     assert "celery_orphans.recover_orphans" in response.json()["error"]
+    assert ("celery_orphans.view_status" in response.json()["error"]) is (url == STATUS)
     assert status_of(orphan) == "STARTED"
+
+
+TOKEN = "probe-" + "x" * 30
+
+
+@pytest.mark.django_db
+def test_the_read_only_permission_reads_status_and_cannot_sweep(client, django_user_model):
+    reader = django_user_model.objects.create_user("probe", password="pw")
+    reader.user_permissions.set(Permission.objects.filter(codename="view_status"))
+    client.force_login(reader)
+    orphan = factories.orphan()
+
+    assert client.get(STATUS).status_code == 200
+    refused = post(client, {"task_ids": [orphan]})
+    assert refused.status_code == 403
+    assert refused.json() == {"error": "the permission celery_orphans.recover_orphans is required"}
+    assert status_of(orphan) == "STARTED"
+
+
+@pytest.mark.django_db
+def test_the_status_token_reads_status_without_a_user_and_nothing_else(client, settings):
+    settings.CELERY_ORPHANS_STATUS_TOKEN = TOKEN
+    orphan = factories.orphan()
+
+    read = client.get(STATUS, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert read.status_code == 200
+    assert {"enabled", "shadow_mode", "last_sweep", "leases"} <= set(read.json())
+    assert client.get(STATUS, headers={"Authorization": f"Bearer {TOKEN}x"}).status_code == 401
+    assert client.get(STATUS, headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
+    assert post(client, {"task_ids": [orphan]}, Authorization=f"Bearer {TOKEN}").status_code == 401
+    assert status_of(orphan) == "STARTED"
+
+
+@pytest.mark.django_db
+def test_without_a_status_token_set_no_bearer_opens_status(client, settings):
+    settings.CELERY_ORPHANS_STATUS_TOKEN = None
+
+    assert client.get(STATUS, headers={"Authorization": "Bearer "}).status_code == 401
+    assert client.get(STATUS, headers={"Authorization": "Bearer None"}).status_code == 401
 
 
 @pytest.mark.django_db
@@ -95,7 +136,7 @@ def test_status_counts_what_the_last_sweep_found_by_verdict(ops, settings):
 
     assert response.status_code == 200
     body = response.json()
-    zero = {verdict.value: 0 for verdict in operations.Verdict}
+    zero = {verdict.value: 0 for verdict in Verdict}
     assert body["in_flight"] == {
         **zero,
         "total": 4,
@@ -113,12 +154,29 @@ def test_status_counts_what_the_last_sweep_found_by_verdict(ops, settings):
     assert response["Cache-Control"].startswith("max-age=0")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_status_counts_each_kind_of_task_a_sweep_could_only_report_apart(ops):
+    factories.orphan(started_ago=-3600, entry=False)  # its start is an hour ahead: unreadable
+    factories.orphan("demoapp.no_such_task", entry=False)  # not registered in this Celery app
+    factories.orphan(worker="", entry=False)  # no record names its worker
+    sweep.run(sweep.Options(trigger=Trigger.BEAT))
+
+    body = ops.get(STATUS).json()
+
+    zero = {verdict.value: 0 for verdict in Verdict}
+    assert body["in_flight"] == {**zero, "total": 3, "unreadable": 1, "unknown_task": 1, "no_worker": 1}
+    assert body["last_sweep"]["summary"].startswith(
+        "recovered 0 orphaned tasks, marked 0 terminal, forgotten 0 finished, 0 alive or in grace, "
+        "1 unreadable, 1 of a task not registered here, 1 without a worker ("
+    )
+
+
 @pytest.mark.django_db
 def test_status_before_any_sweep_says_so_and_asks_no_worker(ops, redis_client, monkeypatch):
     def no_sweep(*args: object) -> None:
         raise AssertionError("the status page ran a sweep")
 
-    monkeypatch.setattr(runner, "_sweep", no_sweep)
+    monkeypatch.setattr(runner, "_judge", no_sweep)
 
     body = ops.get(STATUS).json()
 
@@ -165,7 +223,7 @@ def test_posting_task_ids_recovers_them_and_audits_the_user(ops, redis_client):
     assert response.status_code == 200
     [result] = response.json()["results"]
     assert result["status"] == "recovered"
-    assert result["level"] == "done"
+    assert (result["action"], result["done"], result["attempt"]) == ("recover", True, 1)
     assert "attempt 1" in result["message"]
     assert status_of(orphan) == "RETRY"
     assert redis_client.llen("celery") == 1  # the message is on its queue again
@@ -180,12 +238,15 @@ def test_posting_task_ids_never_marks_a_non_recoverable_task_terminal(ops):
     response = post(ops, {"task_ids": [scan, "no-such-task"]})
 
     results = {r["task_id"]: r for r in response.json()["results"]}
-    assert results[scan]["status"] == "not_recoverable"
-    assert results[scan]["level"] == "refused"
+    assert (results[scan]["status"], results[scan]["reason"]) == ("refused", "not_recoverable")
     assert "not marked @recoverable" in results[scan]["message"]
     assert results["no-such-task"]["status"] == "not_found"
     assert status_of(scan) == "STARTED"
-    assert not OrphanEvent.objects.exists()
+    # Nothing was done; each refusal is on record, with who asked.
+    refused = OrphanEvent.objects.values_list("task_id", "action", "reason", "triggered_by")
+    assert sorted(refused) == sorted(
+        [(scan, "refused", "refused", "ops"), ("no-such-task", "refused", "not_found", "ops")]
+    )
 
 
 @pytest.mark.django_db
@@ -196,9 +257,10 @@ def test_posting_no_task_ids_runs_a_whole_sweep(ops, body):
     response = post(ops, body)
 
     assert response.status_code == 200
-    outcomes = {o["task_id"]: o for o in response.json()["outcomes"]}
+    outcomes = {o["task_id"]: o for o in response.json()["results"]}
     assert (outcomes[summarize]["action"], outcomes[summarize]["done"]) == ("recover", True)
     assert (outcomes[scan]["action"], outcomes[scan]["done"]) == ("mark_terminal", True)
+    assert (outcomes[summarize]["status"], outcomes[scan]["status"]) == ("recovered", "marked_terminal")
     assert (status_of(summarize), status_of(scan)) == ("RETRY", "FAILURE")
     assert set(OrphanEvent.objects.values_list("trigger", "triggered_by")) == {("api", "ops")}
 
@@ -285,7 +347,7 @@ def test_in_shadow_mode_a_recovery_is_only_recorded(ops, settings):
 
     [result] = post(ops, {"task_ids": [orphan]}).json()["results"]
 
-    assert (result["status"], result["level"]) == ("would_recover", "done")
+    assert (result["status"], result["done"]) == ("would_recover", True)
     assert status_of(orphan) == "STARTED"
     recorded = OrphanEvent.objects.get(task_id=orphan)
     assert (recorded.action, recorded.trigger, recorded.triggered_by) == ("would_recover", "api", "ops")
@@ -296,17 +358,18 @@ def test_a_recovery_that_fails_part_way_is_a_503_naming_the_task(ops, monkeypatc
     def broker_down(*args: object, **kwargs: object) -> None:
         raise OperationalError("the broker is down")
 
-    monkeypatch.setattr("celery_orphans.sweep.broker.publish", broker_down)
+    monkeypatch.setattr("celery_orphans.recovery.broker.publish", broker_down)
     orphan = factories.orphan()
 
     response = post(ops, {"task_ids": [orphan]})
 
     assert response.status_code == 503
     [result] = response.json()["results"]
-    assert (result["status"], result["level"]) == ("failed", "failed")
-    assert "the broker is down" in result["message"]
+    assert result["status"] == "failed"
+    assert "OperationalError" in result["message"]
+    assert "the broker is down" not in response.content.decode()  # the library's text stays in the log
     assert status_of(orphan) == "STARTED"
-    assert not OrphanEvent.objects.exists()
+    assert list(OrphanEvent.objects.values_list("action", "triggered_by")) == [("failed", "ops")]
 
 
 def test_status_reports_the_last_sweep_that_was_not_a_dry_run(ops, redis_client):

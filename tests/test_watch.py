@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from celery_orphans import leases, processes
 from celery_orphans.leases import Seen, fresh_boots
 from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys
+from celery_orphans.sweep.watch import Watch
 from tests.helpers import (
     MakeBeat,
     boots_of,
@@ -128,12 +130,21 @@ def test_a_renewal_without_a_watch_reads_nothing_back(
 
 
 @pytest.mark.worker
+@pytest.mark.parametrize(
+    "timings",
+    [
+        {},
+        # Renewals too far apart to be what saw it within the wait: the kernel told the live worker.
+        {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "60", "CELERY_ORPHANS_LEASE_SECONDS": "300"},
+    ],
+    ids=["default", "renewals_a_minute_apart"],
+)
 def test_a_worker_killed_beside_a_live_one_is_recovered_by_that_ones_watch(
-    workers: Any,
+    workers: Any, timings: dict[str, str]
 ) -> None:
     from demoapp.tasks import summarize
 
-    workers.own_sweeps = OWN_SWEEPS_ON  # and no Beat, and no sweep of the test's own
+    workers.own_sweeps = {**OWN_SWEEPS_ON, **timings}  # and no Beat, and no sweep of the test's own
     doomed = workers.start("doomed@test", queues=("doomed",))
     workers.start("watcher@test")
     result = summarize.apply_async(([1, 2],), {"seconds": 3}, queue="doomed")
@@ -174,3 +185,33 @@ def test_a_frozen_worker_is_recovered_by_a_live_workers_watch_once_its_lease_lap
     wait_for(lambda: "gives up its boot" in frozen.log(), 20, "the thawed worker to give its boot up")
     row = TaskResult.objects.get(task_id=result.id)
     assert (row.status, row.worker, stored(result.id)) == ("SUCCESS", "watcher@test", 1)
+
+
+class CountedWatch(Watch):
+    """A watch whose sweep is held until the test lets it go, and counted."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.began = threading.Semaphore(0)
+        self.go_on = threading.Event()
+        self.swept = 0
+
+    def _sweep_once(self) -> None:
+        self.swept += 1
+        self.began.release()
+        self.go_on.wait(10)
+
+
+def test_a_sweep_asked_for_while_one_runs_runs_once_more_after_it_however_often_it_was_asked():
+    watch = CountedWatch()
+
+    watch.sweep()
+    assert watch.began.acquire(timeout=10), "the first sweep to begin"
+    watch.sweep()
+    watch.sweep()
+    watch.sweep()
+    watch.go_on.set()
+
+    assert watch.began.acquire(timeout=10), "the second sweep to begin"
+    wait_for(lambda: not watch._running, 10, "the watch's sweeps to end")
+    assert watch.swept == 2

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import celery
+
 from tests.helpers import ROOT, wait_for
 
 __all__ = ["ROOT", "Worker", "WorkerPool", "process_tree", "wait_for"]
@@ -20,6 +22,12 @@ __all__ = ["ROOT", "Worker", "WorkerPool", "process_tree", "wait_for"]
 OWN_SWEEPS_OFF = {"CELERY_ORPHANS_BOOT_SWEEP": "false", "CELERY_ORPHANS_WATCH": "false"}
 OWN_SWEEPS_ON = {"CELERY_ORPHANS_BOOT_SWEEP": "true", "CELERY_ORPHANS_WATCH": "true"}
 PROJECT = ROOT / "testproject"
+# What most tests start workers with: no gossip, mingle or event heartbeats, which only slow a boot down
+# (mingle alone waits a second for neighbours). ``celery worker``'s own defaults are ``()``.
+LEAN_FLAGS = ("--without-gossip", "--without-mingle", "--without-heartbeat")
+# The prefork pool with spawned processes: Celery 5.7's --pool-start-method (earlier Celery has no spawn).
+SPAWN_FLAGS = (*LEAN_FLAGS, "--pool-start-method", "spawn")
+SPAWN = ["spawn"] if celery.VERSION >= (5, 7) else []
 
 
 def process_tree(pid: int) -> list[int]:
@@ -104,8 +112,10 @@ class WorkerPool:
         wait: bool = True,
         ready_timeout: float = 30,
         wrapper: tuple[str, ...] = (),
+        flags: tuple[str, ...] = LEAN_FLAGS,
     ) -> Worker:
-        """Start a worker; ``wrapper`` is a command it runs under (``unshare`` for a pid namespace)."""
+        """Start a worker; ``wrapper`` is a command it runs under (``unshare`` for a pid namespace),
+        ``flags`` the options of ``celery worker`` it starts with besides its name, pool and queues."""
         log_path = self.tmp_path / f"{name.replace('@', '_')}-{len(self.workers)}.log"
         command = [
             *wrapper,
@@ -125,9 +135,7 @@ class WorkerPool:
             ",".join(queues),
             *(["-I", ",".join(include)] if include else []),
             "--loglevel=INFO",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
+            *flags,
         ]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(

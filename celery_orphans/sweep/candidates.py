@@ -8,14 +8,14 @@ from datetime import datetime
 from datetime import timezone as dt_timezone
 from typing import Any
 
-from celery import Celery
+from celery import Celery, states
 
-from celery_orphans import registry
+from celery_orphans import endings, registry
 from celery_orphans.entry import Entry, Unreadable
 from celery_orphans.ledger import Fence, Ledger
-from celery_orphans.reconcile import Candidate, WorkerView
-from celery_orphans.sweep import audit
-from celery_orphans.sweep.rows import Row, rows_by_id, started_rows
+from celery_orphans.observations import Candidate, WorkerView
+from celery_orphans.recovery import audit
+from celery_orphans.recovery.rows import Row, rows_by_id, started_rows
 from celery_orphans.sweep.values import BootScope
 
 
@@ -43,7 +43,19 @@ def find(ledger: Ledger, cutoff: datetime | None, only: frozenset[str] | None = 
     ledger_ids = ledger.older_than(float("inf") if cutoff is None else cutoff.timestamp())
     if only is not None:
         ledger_ids = [task_id for task_id in ledger_ids if task_id in only]
-    return Found(rows, ledger_ids)
+    return Found(without_ended(ledger, rows, set(ledger_ids)), ledger_ids)
+
+
+def without_ended(ledger: Ledger, rows: dict[str, Row], recorded: set[str]) -> dict[str, Row]:
+    """``rows`` less those an execution left when it ended without a state (``endings.py``), unless a
+    ledger entry records a later delivery of the task (then the entry is judged)."""
+    unrecorded = [task_id for task_id in rows if task_id not in recorded]
+    ended = endings.read(ledger.client, ledger.keys, unrecorded)
+    return {
+        task_id: row
+        for task_id, row in rows.items()
+        if task_id not in ended or not ended[task_id].covers(row.worker, row.started_at)
+    }
 
 
 def merge(app: Celery, ledger: Ledger, found: Found) -> tuple[list[Candidate], dict[str, Entry]]:
@@ -52,16 +64,29 @@ def merge(app: Celery, ledger: Ledger, found: Found) -> tuple[list[Candidate], d
     rows.update(rows_by_id([task_id for task_id in found.ledger_ids if task_id not in rows]))
     ids = sorted(set(rows) | set(found.ledger_ids))
     loaded, fences = ledger.load_with_fences(ids)
+    # An entry gone between the two reads was released: its task ended, and its row says so or there is
+    # none. Nothing is left to judge (judged, it would be forgotten and audited for a healthy task).
+    ids = [t for t in ids if loaded.get(t) is not None or _started(rows.get(t))]
     entries = {task_id: e for task_id, e in loaded.items() if isinstance(e, Entry)}
     sent = already_sent(entries, fences)
     tasks = app.tasks  # a property that takes a lock: read once, not once per candidate
     candidates = [
         candidate(
-            tasks, task_id, rows.get(task_id), loaded.get(task_id), fences[task_id].attempts, task_id in sent
+            tasks,
+            task_id,
+            rows.get(task_id),
+            loaded.get(task_id),
+            fences[task_id].attempts,
+            task_id in sent,
+            lifted=fences[task_id].lifted,
         )
         for task_id in ids
     ]
     return candidates, entries
+
+
+def _started(row: Row | None) -> bool:
+    return row is not None and row.status == states.STARTED
 
 
 def already_sent(entries: dict[str, Entry], fences: dict[str, Fence]) -> set[str]:
@@ -93,12 +118,17 @@ def candidate(
     entry: Entry | Unreadable | None,
     attempts: int,
     sent_again: bool = False,
+    *,
+    lifted: int = 0,
 ) -> Candidate:
     """Merge what the row and the ledger entry say about one task."""
     problem = entry.reason if isinstance(entry, Unreadable) else None
     entry = entry if isinstance(entry, Entry) else None
     name = entry.task_name if entry else (row.task_name if row else None)
-    if entry and row and row.task_name and row.task_name != entry.task_name:
+    # Task.replace() sends another task under the same id: a row written before its entry was is the
+    # replaced execution's, not a disagreement.
+    replaced = entry and row and row.started_at and row.started_at < _moment(entry.recorded_at)
+    if entry and row and row.task_name and row.task_name != entry.task_name and not replaced:
         problem = f"the result row says {row.task_name!r} but the ledger entry says {entry.task_name!r}"
     if row and row.problem:
         problem = row.problem
@@ -117,6 +147,7 @@ def candidate(
         recoverable=policy is not None,
         group=policy.group if policy else None,
         max_attempts=policy.max_attempts if policy else None,
+        lifted=lifted,
         content_type=entry.delivery.content_type if entry else None,
         problem=problem,
         sent_again=sent_again and entry is not None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Collection, Mapping
 
@@ -13,10 +12,11 @@ from kombu.message import Message
 from kombu.pidbox import Mailbox
 from kombu.utils.uuid import uuid
 
-from celery_orphans import leases
-from celery_orphans.reconcile import WorkerView
+from celery_orphans import leases, logs
+from celery_orphans.observations import WorkerView
+from celery_orphans.rules import worth_asking
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 
 def ask_workers(
@@ -39,9 +39,7 @@ def ask_workers(
     except _BrokerLost as lost:
         # A pooled broker connection that the broker dropped: once more, on a connection of our own
         # (emptying the shared pool instead would leave later acquires waiting for ever).
-        logger.info(
-            "celery-orphans: broker connection lost while asking workers (%s); retrying", lost.__cause__
-        )
+        logger.info("broker connection lost while asking workers (%s); retrying", lost.__cause__)
         with app.connection_for_write() as conn:
             return question.ask(conn)
 
@@ -139,8 +137,9 @@ def observe(
     timeout: float,
     conn: redis.Redis[bytes] | None = None,
 ) -> dict[str, WorkerView]:
-    """A ``WorkerView`` for every node: its fresh leases, and for the nodes in ``ask`` that hold one, its
-    answer to one broadcast about the ids ``ask`` lists for it. No node to ask: no broadcast at all.
+    """A ``WorkerView`` for every node: its fresh leases, and for the nodes in ``ask`` worth asking
+    (``rules.worth_asking``: any but a node whose every boot was seen to exit), its answer to one
+    broadcast about the ids ``ask`` lists for it. No node to ask: no broadcast at all.
 
     Leases are read before the broadcast and again after it for the nodes that stayed silent, and a
     lease seen fresh either time counts: a heartbeat held up by a Redis pause lands the moment Redis
@@ -148,8 +147,11 @@ def observe(
     """
     everyone = set(nodes) | set(ask)
     before = leases.boot_states(everyone, conn, prune=False)
-    # A node without a live boot runs nothing: asking it would only wait out its silence.
-    asking = {node: ids for node, ids in ask.items() if before[node].alive}
+    asking = {
+        node: ids
+        for node, ids in ask.items()
+        if worth_asking(before[node].alive, before[node].gone, before[node].exited)
+    }
     question = frozenset().union(*asking.values()) if asking else frozenset()
     held = ask_workers(app, asking, question, timeout) if asking else {}
     silent = [node for node in asking if node not in held]
@@ -163,6 +165,7 @@ def observe(
             fresh_boots=alive,
             gone_boots=before[node].gone - alive,
             exited_boots=before[node].exited - alive,
+            presence_lost_boots=before[node].presence_lost - alive,
             asked=question if node in asking else frozenset(),
         )
     return views

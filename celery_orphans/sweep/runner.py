@@ -1,14 +1,14 @@
-"""One sweep: gather what is running, let ``reconcile.decide`` judge it, carry the decisions out."""
+"""One sweep: gather what is running, let ``rules.decide`` judge it, carry the decisions out."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import json
-import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -16,49 +16,55 @@ import redis
 from celery import Celery, current_app
 from django.utils import timezone
 
-from celery_orphans import leases, metrics, registry
+from celery_orphans import leases, logs, metrics, registry
 from celery_orphans.conf import settings
+from celery_orphans.decision import Action, Reason
 from celery_orphans.entry import Entry
 from celery_orphans.exceptions import LedgerUnavailable
 from celery_orphans.ledger import Ledger
-from celery_orphans.reconcile import (
-    Action,
-    Candidate,
-    Policy,
-    WorkerView,
-    by_operator,
-    decide,
-    defer_excess,
-)
+from celery_orphans.observations import Candidate, WorkerView
+from celery_orphans.recovery.executor import ACTS, Executor
+from celery_orphans.recovery.outcome import Outcome
+from celery_orphans.rules import Limits, asks_about, by_operator, decide, defer_excess
 from celery_orphans.store import Keys, client
-from celery_orphans.sweep import actions, liveness
+from celery_orphans.sweep import liveness
 from celery_orphans.sweep.candidates import find, merge, own_tasks
 from celery_orphans.sweep.lock import sweep_lock
-from celery_orphans.sweep.values import Options, Outcome, Report, SweepFailed
+from celery_orphans.sweep.values import Options, Report, SweepFailed
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 
 def run(options: Options, app: Celery | None = None) -> Report:
     """Run one sweep; ``SweepLocked`` if another holds the lock, ``LedgerUnavailable`` without Redis."""
     app = app or current_app
     started = time.monotonic()
-    executors: list[actions.Executor] = []
+    executor: Executor | None = None
     if options.dry_run:
-        report = _sweep(app, options, executors)
+        report = _judge(app, options).report
     else:
         try:
             with sweep_lock():
-                report = _sweep(app, options, executors)
+                judged = _judge(app, options)
+                executor = Executor(app, judged.ledger, options.trigger, judged.now, options.user)
+                report = _act(executor, options, judged)
         finally:
-            for executor in executors:
-                executor.lift_unsettled()  # only if the transaction did not commit
+            if executor is not None:
+                executor.claims.lift_unsettled()  # only if the transaction did not commit
                 executor.close()
     report.duration = time.monotonic() - started
-    metrics.swept(report.duration)
-    # A sweep that found nothing to act on (every task alive or in grace), as most do, is no news.
-    noteworthy = any(o.decision.action is not Action.LEAVE or o.error for o in report.outcomes)
-    (logger.info if noteworthy else logger.debug)("celery-orphans: %s", report.summary())
+    if metrics.enabled():
+        metrics.swept(report.duration, _count_leases())
+    # A sweep that found nothing to act on (every task alive or in grace), as most do, is no news; nor
+    # is a shadow sweep that finds the orphans an earlier one recorded, nor one that finds again the
+    # records it can only report (each is audited the first time: that sweep is news).
+    acted = any(o.decision.action not in (Action.LEAVE, Action.REPORT) for o in report.outcomes)
+    if report.shadow and executor is not None:
+        acted = executor.shadowed > 0
+    if executor is not None and executor.reported:
+        acted = True
+    noteworthy = acted or any(o.error for o in report.outcomes)
+    (logger.info if noteworthy else logger.debug)("%s", report.summary())
     failure = next((o for o in report.outcomes if o.error), None)
     if not options.dry_run and options.boot is None and options.task_ids is None:
         _remember(options, report, failure)
@@ -83,7 +89,7 @@ def _remember(options: Options, report: Report, failure: Outcome | None) -> None
     try:
         client().hset(Keys.current().last_sweep, mapping=record)
     except redis.RedisError as exc:
-        logger.warning("celery-orphans: could not record the last sweep: %s", exc)
+        logger.warning("could not record the last sweep: %s", exc)
 
 
 def last_sweep() -> dict[str, Any] | None:
@@ -102,31 +108,44 @@ def last_sweep() -> dict[str, Any] | None:
     return data
 
 
-def _sweep(app: Celery, options: Options, executors: list[actions.Executor]) -> Report:
+@dataclass(frozen=True)
+class Judged:
+    """What a sweep found and decided, before it acts: the report, and what acting on it needs."""
+
+    report: Report
+    candidates: list[Candidate]
+    entries: dict[str, Entry]
+    ledger: Ledger
+    now: datetime
+
+
+def _judge(app: Celery, options: Options) -> Judged:
+    """Gather what is running and decide about each task; nothing is changed."""
     registry.load_tasks(app)
     now = timezone.now()
     grace = timedelta(
         seconds=settings.GRACE_SECONDS if options.grace_seconds is None else options.grace_seconds
     )
     max_age = settings.MAX_ORPHAN_AGE_SECONDS
-    policy = Policy(
+    limits = Limits(
         now=now,
         grace=grace,
         max_attempts=options.max_attempts or settings.MAX_ATTEMPTS,
         groups=settings.GROUPS,
         max_age=None if max_age is None else timedelta(seconds=max_age),
+        min_age=timedelta(0) if options.grace_seconds is None else grace,
     )
     ledger = Ledger(client(), Keys.current())
     with _collector_paused():
         try:
             if options.boot is None:
-                candidates, entries, views = _gather_and_ask(app, ledger, now, grace, options.task_ids)
+                candidates, entries, views = _gather_and_ask(app, ledger, now, grace, options)
             else:
                 candidates, entries, views = own_tasks(app, ledger, options.boot)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot reach Redis for the ledger and leases: {exc}") from exc
         candidates.sort(key=lambda c: (c.started_at or now, c.task_id))
-        decisions = [decide(c, views.get(c.worker) if c.worker else None, policy) for c in candidates]
+        decisions = [decide(c, views.get(c.worker) if c.worker else None, limits) for c in candidates]
         if options.mark_terminal:
             decisions = [by_operator(d) for d in decisions]
         # Only recoveries are limited per sweep: an operator closing orphans closes every one chosen.
@@ -137,15 +156,21 @@ def _sweep(app: Celery, options: Options, executors: list[actions.Executor]) -> 
         ]
     shadow = options.shadow if options.shadow is not None else settings.SHADOW_MODE
     report = Report(outcomes, dry_run=options.dry_run, shadow=shadow)
-    if options.dry_run:
-        return report
-    executor = actions.Executor(app, ledger, options.trigger, now, options.user)
-    executors.append(executor)
+    return Judged(report, candidates, entries, ledger, now)
+
+
+def _act(executor: Executor, options: Options, judged: Judged) -> Report:
+    """Carry the decisions out, in order, stopping at the first that fails."""
+    report, candidates, entries = judged.report, judged.candidates, judged.entries
+    outcomes = report.outcomes
     for i, (candidate, outcome) in enumerate(zip(candidates, outcomes)):
         action = outcome.decision.action
-        if action not in actions.ACTS or (options.acts is not None and action not in options.acts):
+        if action is Action.REPORT and outcome.decision.reason is Reason.UNREADABLE:
+            executor.report(outcome)
             continue
-        if shadow:
+        if action not in ACTS or (options.acts is not None and action not in options.acts):
+            continue
+        if report.shadow:
             outcome = executor.shadow(outcome)
         else:
             outcome = executor.carry_out(outcome, candidate, entries.get(candidate.task_id))
@@ -175,24 +200,32 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _gather_and_ask(
-    app: Celery, ledger: Ledger, now: datetime, grace: timedelta, only: frozenset[str] | None
+    app: Celery, ledger: Ledger, now: datetime, grace: timedelta, options: Options
 ) -> tuple[list[Candidate], dict[str, Entry], dict[str, WorkerView]]:
     """Everything running, and a view of each worker running something: its leases, and its answer
-    about the tasks only a result row knows of, past their grace (no other task needs one)."""
-    candidates, entries = merge(app, ledger, find(ledger, None, only))
+    about the tasks only a result row knows of whose decision its answer can change
+    (``rules.asks_about``: no other task needs one)."""
+    candidates, entries = merge(app, ledger, find(ledger, None, options.task_ids))
     ask: dict[str, set[str]] = {}
-    for c in candidates:
-        past_grace = c.started_at is None or c.started_at <= now - grace
-        if c.worker and c.boot is None and past_grace and not c.problem:
+    for c in candidates if options.ask_workers else ():
+        if c.worker and asks_about(c, now, grace):
             ask.setdefault(c.worker, set()).add(c.task_id)
     nodes = {c.worker for c in candidates if c.worker}
     views = liveness.observe(app, nodes, ask, settings.INSPECT_TIMEOUT_SECONDS, ledger.client)
     return candidates, entries, views
 
 
+def _count_leases() -> int | None:
+    try:
+        return leases.count()
+    except redis.RedisError as exc:
+        logger.warning("cannot count the leases for the metrics: %s", exc)
+        return None
+
+
 def _forget_lapsed_boots(nodes: set[str]) -> None:
-    # After the actions, which read the last beat of the boots they judged.
+    # After the actions, which read the last heartbeat of the boots they judged.
     try:
         leases.fresh_boots(nodes, prune=True)
     except redis.RedisError as exc:
-        logger.warning("celery-orphans: could not forget lapsed worker boots: %s", exc)
+        logger.warning("could not forget lapsed worker boots: %s", exc)

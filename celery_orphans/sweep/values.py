@@ -1,4 +1,4 @@
-"""What a sweep is asked to do (``Options``) and what it did (``Outcome`` per task, ``Report`` in all)."""
+"""What a sweep is asked to do (``Options``) and what it did (``Report``, an ``Outcome`` per task)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from celery_orphans.choices import Trigger
+from celery_orphans.decision import Action, Reason
 from celery_orphans.exceptions import CeleryOrphansError
-from celery_orphans.reconcile import Action, Decision, Reason
+from celery_orphans.recovery.outcome import Outcome
 
 
 class SweepFailed(CeleryOrphansError):
@@ -35,7 +35,7 @@ class BootScope:
 class Options:
     trigger: Trigger
     dry_run: bool = False
-    grace_seconds: float | None = None
+    grace_seconds: float | None = None  # asked for: spares every younger task, its boot gone or not
     max_attempts: int | None = None
     user: str = ""
     boot: BootScope | None = None
@@ -43,35 +43,7 @@ class Options:
     task_ids: frozenset[str] | None = None  # judge only these tasks (an operator's selection)
     acts: frozenset[Action] | None = None  # carry out only these actions; report the others
     mark_terminal: bool = False  # an operator closes the selected orphans instead of recovering them
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One decision, with what a person needs to read it: the task, its worker, when it started."""
-
-    decision: Decision
-    task_name: str
-    worker: str
-    done: bool = False  # the action was carried out (never in a dry run)
-    error: str | None = None  # why carrying it out failed; the sweep stopped there
-    started_at: datetime | None = None  # as the sweep found it, from the result row or the ledger entry
-    boot: str | None = None  # the worker boot whose ledger entry holds the task, if one does
-
-    def as_json(self) -> dict[str, Any]:
-        """The one JSON shape of an outcome, in the command's ``--json`` and the HTTP API alike."""
-        d = self.decision
-        return {
-            "task_id": d.task_id,
-            "task_name": self.task_name,
-            "worker": self.worker,
-            "action": d.action.value,
-            "reason": d.reason.value,
-            "evidence": d.evidence.value,
-            "detail": d.detail,
-            "attempt": d.attempt,
-            "done": self.done,
-            "error": self.error,
-        }
+    ask_workers: bool = True  # False: no broadcast; a task only a result row knows of is judged by leases
 
 
 @dataclass
@@ -92,9 +64,25 @@ class Report:
         alive = self.count(Action.LEAVE)
         verb = "would have " if self.dry_run or self.shadow else ""
         finished = f", {verb}finished recording {completed} sent earlier" if completed else ""
+        reported = self.reported()
+        # Reported and not judged, each named apart: the ones besides the unreadable only when there are any.
+        others = "".join(
+            f", {reported[reason]} {label}" for reason, label in _REPORTED_APART if reported[reason]
+        )
         return (
             f"{verb}recovered {counts[Action.RECOVER] - completed} orphaned tasks, {verb}marked "
             f"{counts[Action.MARK_TERMINAL]} terminal, {verb}forgotten {counts[Action.FORGET]} finished, "
-            f"{alive} alive or in grace, {self.count(Action.REPORT)} unreadable{finished}"
+            f"{alive} alive or in grace, {reported[Reason.UNREADABLE]} unreadable{others}{finished}"
             f" ({self.duration:.2f}s)"
         )
+
+    def reported(self) -> Counter[Reason]:
+        """The tasks reported without being judged, by reason (unreadable, unknown task, no worker)."""
+        return Counter(o.decision.reason for o in self.outcomes if o.decision.action is Action.REPORT)
+
+
+# How the summary names the tasks reported for a reason other than an unreadable record.
+_REPORTED_APART = (
+    (Reason.UNKNOWN_TASK, "of a task not registered here"),
+    (Reason.NO_WORKER, "without a worker"),
+)

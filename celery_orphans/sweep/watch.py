@@ -1,61 +1,96 @@
-"""The watch: a worker starts a sweep itself the moment its heartbeat sees another boot gone.
+"""The watch: a worker starts a sweep itself the moment it learns that another boot is gone.
 
 Every renewal reads the boots whose lease lapsed and the processes of the boots on the same machine
-(``scripts.RENEW``). A lapsed boot is taken off the watch by one of the workers that saw it, and a
-process seen to exit is recorded by one (``leases.claim_lapsed``, ``leases.record_exit``); that worker
-runs a sweep at once, in a thread of its own, instead of leaving the dead boot's tasks to the next
-sweep of Beat's schedule, which still runs as before.
+(``scripts.RENEW``). The processes of this machine are followed between renewals too: the kernel says
+the instant one exits (``processes.Exits``), and the renewal's own check is the fallback where it cannot.
+A lapsed boot is taken off the watch by one of the workers that saw it, and a process seen to exit is
+recorded by one (``leases.claim_lapsed``, ``leases.record_exit``); that worker runs a sweep at once, in a
+thread of its own, instead of leaving the dead boot's tasks to the next sweep of Beat's schedule, which
+still runs as before.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 
 import redis
 from celery import Celery
-from django.core.exceptions import ImproperlyConfigured
-from django.db import close_old_connections
 
-from celery_orphans import leases, processes
+from celery_orphans import leases, logs, processes
 from celery_orphans.choices import Trigger
-from celery_orphans.exceptions import CeleryOrphansError, SweepLocked
-from celery_orphans.sweep.runner import run
+from celery_orphans.sweep.background import sweep_giving_way
 from celery_orphans.sweep.values import Options
 
-logger = logging.getLogger(__name__)
-LOCKED_WAIT_SECONDS = 0.25  # between tries while another sweep holds the lock
-LOCKED_TRIES = 40  # then the sweep that holds it, or the next of Beat's, judges what was seen
+logger = logs.get(__name__)
+
+Neighbour = tuple[str, str, processes.Process]  # node, boot, its process
 
 
 class Watch:
-    """Hears what each renewal of one worker saw, and sweeps when a boot is gone."""
+    """Hears what each renewal of one worker saw, and the exits of its neighbours; sweeps when a boot is
+    gone."""
 
     def __init__(self, app: Celery | None) -> None:
         self.app = app
         self._lock = threading.Lock()
         self._running = False
         self._again = False
+        self._exits: processes.Exits[Neighbour] = processes.Exits(self._exited)
+        self._missing: dict[tuple[str, str], threading.Timer] = {}  # boots whose presence is missing
 
     def seen(self, seen: leases.Seen) -> None:
         """Called by the heartbeat after a renewal that saw lapsed boots or other boots on its machine."""
+        exited = {n for n in seen.neighbours if processes.exited(n[2])}
+        self._exits.follow({n: n[2] for n in seen.neighbours if n not in exited})
+        for node, boot, left in seen.missing:
+            self._follow_presence(node, boot, left)
         try:
             gone = [
                 f"{node} (boot {boot}): its lease lapsed"
                 for node, boot in seen.lapsed
                 if leases.claim_lapsed(node, boot)
             ]
-            gone += [
-                f"{node} (boot {boot}): its process {process.pid} exited"
-                for node, boot, process in seen.neighbours
-                if processes.exited(process) and leases.record_exit(node, boot, process)
-            ]
+            gone += [_recorded(n) for n in exited if leases.record_exit(*n)]
         except redis.RedisError as exc:
-            logger.warning("celery-orphans: the watch cannot reach Redis: %s", exc)
+            logger.warning("the watch cannot reach Redis: %s", exc)
             return
+        self._gone(gone)
+
+    def _exited(self, neighbour: Neighbour) -> None:
+        """The kernel says the process of ``neighbour`` exited (``processes.Exits``' thread)."""
+        try:
+            recorded = leases.record_exit(*neighbour)
+        except redis.RedisError as exc:
+            logger.warning("the watch cannot reach Redis: %s", exc)
+            return
+        self._gone([_recorded(neighbour)] if recorded else [])
+
+    def _follow_presence(self, node: str, boot: str, left: float) -> None:
+        """The presence of ``boot`` is missing: judge it once its wait is over (``leases.claim_presence_lost``
+        records it only if the boot has not renewed since, nor subscribed again)."""
+        with self._lock:
+            if (node, boot) in self._missing:
+                return
+            # A little after the wait ends by Redis's clock: a claim a moment early is refused.
+            timer = threading.Timer(left + 0.05, self._presence_over, args=(node, boot))
+            timer.daemon = True
+            self._missing[(node, boot)] = timer
+        timer.start()
+
+    def _presence_over(self, node: str, boot: str) -> None:
+        try:
+            recorded = leases.claim_presence_lost(node, boot)
+        except redis.RedisError as exc:
+            logger.warning("the watch cannot reach Redis: %s", exc)
+            recorded = False
+        finally:
+            with self._lock:
+                self._missing.pop((node, boot), None)
+        self._gone([f"{node} (boot {boot}): its presence connection closed"] if recorded else [])
+
+    def _gone(self, gone: list[str]) -> None:
         if gone:
-            logger.info("celery-orphans: worker gone, sweeping now: %s", "; ".join(gone))
+            logger.info("worker gone, sweeping now: %s", "; ".join(gone))
             self.sweep()
 
     def sweep(self) -> None:
@@ -77,18 +112,9 @@ class Watch:
                 self._again = False
 
     def _sweep_once(self) -> None:
-        try:
-            for _ in range(LOCKED_TRIES):
-                try:
-                    run(Options(trigger=Trigger.WATCH), self.app)
-                except SweepLocked:
-                    time.sleep(LOCKED_WAIT_SECONDS)
-                    continue
-                return
-            logger.info("celery-orphans: the watch's sweep gave way to other sweeps")
-        except (CeleryOrphansError, ImproperlyConfigured) as exc:
-            logger.error("celery-orphans: the watch's sweep failed: %s", exc)
-        except Exception:
-            logger.exception("celery-orphans: the watch's sweep failed")
-        finally:
-            close_old_connections()
+        sweep_giving_way("the watch's sweep", lambda: Options(trigger=Trigger.WATCH), self.app)
+
+
+def _recorded(neighbour: Neighbour) -> str:
+    node, boot, process = neighbour
+    return f"{node} (boot {boot}): its process {process.pid} exited"

@@ -2,38 +2,42 @@
 
 It keeps beating while the main loop is busy, as a solo pool running a task is. The lease is read by
 the sweep and by booting workers (``leases.py``). Each renewal also tells what it saw of the other
-boots (lapsed leases, the processes on this machine) to ``on_renewed``: the worker's watch.
+boots (lapsed leases, the processes on this machine) to ``on_renewed``: the worker's watch. Its Redis
+calls go over a connection of their own, each bounded by what is left of the boot's validity
+(``bounded.py``); the boot is given up at that instant by the clock (``validity.py``), not by them.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 
 import redis
+from django.core.exceptions import ImproperlyConfigured
 
-from celery_orphans import leases, processes, scripts
+from celery_orphans import leases, logs
 from celery_orphans.conf import settings
-from celery_orphans.store import Keys, client
-from celery_orphans.worker import fence
+from celery_orphans.worker import clock, renewal
+from celery_orphans.worker.presence import Presence
+from celery_orphans.worker.renewal import Renewals
+from celery_orphans.worker.validity import Validity
 
-logger = logging.getLogger(__name__)
-HOST = socket.gethostname()
+logger = logs.get(__name__)
 WATCH_LIMIT = 16  # lapsed boots a renewal reports at most; the next renewals report the rest
+# While no lease holds, the next try comes this soon, then twice as late each time, up to a heartbeat:
+# a ledger that comes back is used within a heartbeat, as a renewal after an outage would be.
+FIRST_RETRY_SECONDS = 0.25
 
 
 class Heartbeat:
-    """Keeps the lease of one worker boot alive until stopped, and fences the boot off when it cannot.
+    """Keeps the lease of one worker boot alive until stopped, and gives the boot up when it cannot.
 
-    ``generation`` counts the boots of this process: when a renewal comes too late, or finds the lease
-    gone, the boot's executions are forfeit (``fence.py``), and a new boot id takes a new lease.
+    ``generation`` counts the boots of this process: when no renewal was answered in time, or one finds
+    the lease gone, the boot's executions are forfeit (``forfeit.py``), and a new boot id takes a new lease.
     """
 
     def __init__(
@@ -44,27 +48,58 @@ class Heartbeat:
         on_renewed: Callable[[leases.Seen], None] | None = None,
     ) -> None:
         self.node = node
-        self.boot = boot or uuid.uuid4().hex
+        # Its records are dropped by the heartbeat's thread, so a sweep need not wait for them to lapse.
+        self._given_up: list[str] = []
+        self.validity = Validity(node, boot or uuid.uuid4().hex, on_forfeit, self._given_up.append)
         self.pid = os.getpid()
-        self.process = processes.this()
-        self.machine = self.process.machine if self.process else None
-        self.keys = Keys.current()
         self._tokens = itertools.count()
         self.interval = settings.HEARTBEAT_SECONDS
         self.lease_seconds = settings.LEASE_SECONDS
-        # Executions give up this long before the lease would lapse: the sweep may act the moment it does.
-        self.margin = self.lease_seconds / 5
-        self.generation = 1
-        self.valid_until = 0.0  # time.monotonic(); 0: no renewal holds (none yet, or forfeit since)
-        self.on_forfeit = on_forfeit
+        self.renewals = Renewals(node, self.lease_seconds)
+        self.machine, self.keys = self.renewals.machine, self.renewals.keys
+        # Executions give up this long before the lease may lapse: the sweep may act the moment it does.
+        self.margin = settings.lease_margin()
         self.on_renewed = on_renewed
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a renewal now: the presence connection was made
+        self.presence = Presence(node, self._wake.set) if settings.PRESENCE else None
+        self.renewals.presence = self.presence
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._retry = min(FIRST_RETRY_SECONDS, self.interval)  # the wait before the next try, no lease held
+        self._unprotected_since: float | None = None  # time.monotonic(): its first lease not yet taken
+        self._unreachable: str | None = None  # why take() could not reach Redis, until start() says it
+        self._when_taken: list[Callable[[], None]] = []
+        self._taking = threading.Lock()  # between when_taken() and the thread that takes the first lease
+
+    @property
+    def boot(self) -> str:
+        return self.validity.boot
+
+    @property
+    def generation(self) -> int:
+        return self.validity.generation
+
+    @property
+    def valid_until(self) -> float:
+        """Until when (``clock.now()``) the executions of this boot hold; 0 while none does."""
+        return self.validity.valid_until
 
     @property
     def lease_key(self) -> str:
         return self.keys.lease(self.node, self.boot)
+
+    @property
+    def leased(self) -> bool:
+        """Whether this boot has taken its lease and not given it up: a delivery admitted now is
+        recorded under it. Before the first lease is taken (its ledger could not be reached), and from a
+        forfeit until the next boot's lease is taken, nothing is."""
+        return self.validity.valid_until != 0.0
+
+    @property
+    def answered(self) -> bool:
+        """Whether the last renewal came back: while it did not, a delivery waits for its ledger write."""
+        return not self._failing
 
     def token(self) -> str:
         """A token no other ledger entry of any boot carries: this boot's id and a count.
@@ -73,18 +108,52 @@ class Heartbeat:
         """
         return f"{self.boot}.{next(self._tokens):x}"
 
-    def take(self) -> None:
+    def take(self) -> bool:
         """Take the lease without the thread that keeps it: a worker does so before it forks its pool
         and consumes, so that its first deliveries are admitted under the lease. A thread running while
         the pool forks could leave a lock held in the child for ever, so the beating waits for
-        ``start()``, and what this renewal saw of other boots is left to the next one."""
-        self.renew(watching=False)
+        ``start()``, and what this renewal saw of other boots is left to the next one.
+
+        ``False`` when Redis could not be reached: ``start()`` says so in one line (by then Celery has set
+        up its logging, and a worker's log file gets the line), and its thread keeps trying quietly and
+        takes the lease when Redis answers."""
+        self._unprotected_since = time.monotonic()
+        try:
+            taken = self._renew(watching=False)
+        except redis.RedisError as exc:
+            self._failing = True
+            self._unreachable = str(exc)
+            return False
+        return taken
+
+    def when_taken(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once this boot holds its first lease: now, or from the thread that takes it.
+        A callback asked for while that thread takes the lease runs once, from one or the other."""
+        with self._taking:
+            if self._unprotected_since is not None:
+                self._when_taken.append(callback)
+                return
+        callback()
 
     def start(self) -> None:
-        """Renew now, then keep renewing from a thread until stopped."""
+        """Renew now, then keep renewing from a thread until stopped. After a ``take()`` that could not
+        reach Redis, the thread alone tries again, without holding up the worker's start."""
         if self._thread is not None:
             return
-        self.renew()
+        if self._unreachable is not None:
+            logger.error(
+                "worker %s cannot reach its ledger's Redis at %s (%s): it holds no lease, "
+                "so the recoverable tasks it runs are not recorded and cannot be recovered if it dies; it "
+                "keeps trying and takes its lease when Redis answers",
+                self.node,
+                renewal.ledger_address(),
+                self._unreachable,
+            )
+        elif self.leased or self._unprotected_since is None:
+            self.renew()
+        if self.presence is not None:  # the pool has forked (or spawns): the connection is this process's
+            self.presence.start()
+        self.validity.start()
         self._thread = threading.Thread(
             target=self._run, name=f"celery-orphans-heartbeat-{self.node}", daemon=True
         )
@@ -92,154 +161,112 @@ class Heartbeat:
 
     def renew(self, *, watching: bool = True) -> bool:
         """Renew the lease (or take it, for a new boot); ``False`` when Redis could not be reached."""
+        try:
+            return self._renew(watching=watching)
+        except (redis.RedisError, ImproperlyConfigured) as exc:
+            self.validity.expire()
+            if not self._failing:
+                logger.warning("cannot renew the lease of %s: %s", self.node, exc)
+            self._failing = True
+            self._retry = min(self.interval, 2 * self._retry)
+            return False
+
+    def _renew(self, *, watching: bool) -> bool:
+        """``renew``, raising ``redis.RedisError`` when Redis could not be reached."""
         if os.getpid() != self.pid:  # a forked child must never keep its parent's lease alive
             self._stop.set()
             return False
-        begun = time.monotonic()
-        if self.valid_until and begun >= self.valid_until:
-            self.forfeit("its lease was not renewed in time")
-        try:
-            seen = self._write(first=not self.valid_until, watching=watching)
-            if seen is None:
-                self.forfeit("its lease is gone from Redis")
-                begun = time.monotonic()
-                seen = self._write(first=True, watching=watching)
-        except redis.RedisError as exc:
-            if not self._failing:
-                logger.warning("celery-orphans: cannot renew the lease of %s: %s", self.node, exc)
-            self._failing = True
-            return False
-        if self._failing:
-            logger.info("celery-orphans: lease of %s renewed again", self.node)
-        self._failing = False
+        self.validity.expire()
+        self.renewals.drop_each(self._given_up, self._time_left())
+        boot, generation, held = self.validity.current()
+        begun = clock.now()
+        seen = self._write(boot, first=not held, watching=watching)
         if seen is None:
-            return False
+            self.validity.lapse(generation, "its lease is gone from Redis")
+            boot, generation, _ = self.validity.current()
+            begun = clock.now()
+            seen = self._write(boot, first=True, watching=watching)
         # Redis set the expiry once it had the command, so no sooner than this.
-        self.valid_until = begun + self.lease_seconds - self.margin
-        fence.publish(self.generation, self.valid_until)
-        if self.on_renewed is not None and (seen.lapsed or seen.neighbours):
+        if seen is None or not self.validity.extend(generation, begun, self.lease_seconds - self.margin):
+            return False
+        self._retry = min(FIRST_RETRY_SECONDS, self.interval)
+        if self._unprotected_since is not None:
+            self._first_taken(time.monotonic() - self._unprotected_since)
+        elif self._failing:
+            logger.info("lease of %s renewed again", self.node)
+        self._failing = False
+        if self.on_renewed is not None and (seen.lapsed or seen.neighbours or seen.missing):
             try:
                 self.on_renewed(seen)
             except Exception:
-                logger.exception("celery-orphans: the watch of %s failed", self.node)
+                logger.exception("the watch of %s failed", self.node)
         return True
 
-    def _write(self, *, first: bool, watching: bool = True) -> leases.Seen | None:
-        """Write the lease; what the renewal saw of other boots (nothing unless ``watching``), or ``None``
-        if the lease was not written."""
-        process = self.process
-        value = json.dumps(
-            {
-                "node": self.node,
-                "boot": self.boot,
-                "pid": self.pid,
-                "host": HOST,
-                "machine": self.machine,
-                "process": str(process) if process else None,
-                "renewed_at": time.time(),
-            }
-        )
-        # Without a process to record, the script leaves its fourth key alone: any key of ours will do.
-        machine = self.keys.machine(self.machine) if self.machine else self.keys.watch
-        keys = [self.lease_key, self.keys.boots(self.node), self.keys.watch, machine]
-        member = leases.member(self.node, self.boot)
-        lease_ms = int(self.lease_seconds * 1000)
+    def _write(self, boot: str | None = None, *, first: bool, watching: bool = True) -> leases.Seen | None:
+        """Write the lease of ``boot`` (this boot's); what the renewal saw of other boots (nothing unless
+        ``watching``), or ``None`` if the lease was not written."""
         limit = WATCH_LIMIT if watching and self.on_renewed is not None else 0
-        renew = client().register_script(scripts.RENEW)
-        reply = renew(
-            keys=keys,
-            args=[value, lease_ms, self.boot, "1" if first else "0", member, str(process or ""), limit],
-        )
-        if not reply[0]:
-            return None
-        return leases.Seen.from_reply(reply, self.machine, (self.node, self.boot))
+        return self.renewals.write(boot or self.boot, first=first, limit=limit, seconds=self._time_left())
+
+    def _time_left(self) -> float:
+        """What a Redis call of the heartbeat may take: what is left of this boot's validity (a heartbeat
+        while none holds). A slow answer that comes within it still counts; one that would come after it
+        could not, and is not waited for."""
+        return self.valid_until - clock.now() if self.leased else self.interval
+
+    def _first_taken(self, waited: float) -> None:
+        with self._taking:
+            self._unprotected_since = None
+            callbacks, self._when_taken = self._when_taken, []
+        if self._failing:
+            logger.info(
+                "lease of %s (boot %s) taken: its ledger answered after %.1fs; the "
+                "recoverable tasks it receives from now on are recorded",
+                self.node,
+                self.boot,
+                waited,
+            )
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("a task of %s, once its lease was taken, failed", self.node)
 
     def forfeit(self, why: str) -> None:
         """Give up every execution of this boot, and start a new boot with a lease of its own."""
-        old_boot, old_generation = self.boot, self.generation
-        self.generation += 1
-        self.valid_until = 0.0
-        fence.withdraw(self.generation)
-        self.boot = uuid.uuid4().hex
-        stopped = self.on_forfeit(old_generation) if self.on_forfeit is not None else 0
-        logger.error(
-            "celery-orphans: worker %s gives up its boot %s (%s): %s running executions are forfeit and "
-            "will be recovered from the ledger; it goes on as boot %s",
-            self.node,
-            old_boot,
-            why,
-            stopped,
-            self.boot,
-        )
-        try:
-            self._drop(old_boot)  # so a sweep need not wait for the old lease to lapse
-        except redis.RedisError as exc:
-            logger.warning("celery-orphans: cannot drop the old lease of %s: %s", self.node, exc)
+        self.validity.lapse(self.generation, why)
 
     def _drop(self, boot: str) -> None:
-        leases.drop(self.node, boot, self.machine)
+        self.renewals.drop(boot, self._time_left())
 
     def _run(self) -> None:
-        while not self._stop.wait(self._until_next()):
+        while True:
+            self._wake.wait(self._until_next())
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self.renew()
 
     def _until_next(self) -> float:
-        """The next beat, or sooner, at the instant this boot's executions stop holding."""
-        if not self.valid_until:
-            return self.interval
-        return max(0.0, min(self.interval, self.valid_until - time.monotonic()))
+        """The next beat, or sooner, at the instant this boot's executions stop holding; while no lease
+        holds, the next try."""
+        if not self.leased:
+            return self._retry
+        return max(0.0, min(self.interval, self.valid_until - clock.now()))
 
     def stop(self) -> None:
         """Stop beating and drop the lease, so the sweep need not wait for it to lapse."""
         self._stop.set()
+        self._wake.set()
+        self.validity.stop()
         if self._thread is not None:
             self._thread.join(timeout=self.interval + 1)
-        if os.getpid() != self.pid:
-            return
         try:
+            if os.getpid() != self.pid or not self.leased:  # no lease of this boot to drop
+                return
             self._drop(self.boot)
         except redis.RedisError as exc:
-            logger.warning("celery-orphans: cannot drop the lease of %s: %s", self.node, exc)
-
-
-_current: Heartbeat | None = None
-
-
-def current() -> Heartbeat | None:
-    """The heartbeat of this worker process, if it runs one."""
-    return _current if _current is not None and _current.pid == os.getpid() else None
-
-
-def take(
-    node: str,
-    on_forfeit: Callable[[int], int] | None = None,
-    on_renewed: Callable[[leases.Seen], None] | None = None,
-) -> Heartbeat:
-    """Take this process's lease, not yet kept alive (``Heartbeat.take``); ``on_forfeit(generation)``
-    stops the executions of a boot given up, ``on_renewed(seen)`` hears what a renewal saw of other
-    boots."""
-    global _current
-    beat = current()
-    if beat is None:
-        beat = _current = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed)
-        beat.take()
-        logger.info("celery-orphans: lease of %s (boot %s) taken", node, beat.boot)
-    return beat
-
-
-def start(
-    node: str,
-    on_forfeit: Callable[[int], int] | None = None,
-    on_renewed: Callable[[leases.Seen], None] | None = None,
-) -> Heartbeat:
-    """Take this process's lease if it holds none, and keep it alive from a thread (see ``take``)."""
-    beat = take(node, on_forfeit, on_renewed)
-    beat.start()
-    return beat
-
-
-def stop() -> None:
-    global _current
-    beat, _current = current(), None
-    if beat is not None:
-        beat.stop()
+            logger.warning("cannot drop the lease of %s: %s", self.node, exc)
+        finally:
+            if self.presence is not None:  # after the lease: its going says nothing to the others then
+                self.presence.stop()

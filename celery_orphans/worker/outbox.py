@@ -5,13 +5,16 @@ ledger, hands it to the pool, and fetches the next only once the last is acknowl
 trip on that path is paid once per task in throughput. Two kinds of write leave that path:
 
 - The entry of a first-hand delivery (``redelivery.first_hand``: one the broker had not delivered before)
-  is sent without waiting for the answer, on a connection of the outbox's own. A copy of a task is
-  recovered or marked terminal only after a delivery of it was recorded, so a copy never delivered before
-  cannot have been overtaken, and there is no verdict to wait for. The outbox's thread reads the
+  is sent without waiting for the answer, on a connection of the outbox's own (``line.py``). A copy of a
+  task is recovered or marked terminal only after a delivery of it was recorded, so a copy never delivered
+  before cannot have been overtaken, and there is no verdict to wait for. The outbox's thread reads the
   answers, many at a time, within ``FLUSH_DELAY_SECONDS``; one that reports an error is logged then.
 - A finished task's removal is queued and carried by the next entry written, which the worker sends
   moments later for its next task (one call does both). When no task follows, the thread sends what is
   queued after ``FLUSH_DELAY_SECONDS``.
+
+The main loop never waits behind the outbox's thread while it waits for Redis: what is queued is guarded
+by a lock held for moves in memory only; answers are read under a lock of their own.
 
 What the ledger guarantees stays. An entry's write is on its way before the task reaches the pool, so
 Redis has it before the task's body can get far, and has it even if the worker is killed right after (the
@@ -24,45 +27,25 @@ task's result row finished.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
+from celery_orphans import logs
 from celery_orphans.entry import Entry
-from celery_orphans.ledger import Admission, Ledger, admission
+from celery_orphans.ledger import Ledger, admission
+from celery_orphans.worker.line import Line, Write, check, connect, not_recorded, redo
 
-if TYPE_CHECKING:
-    from redis.connection import AbstractConnection
-
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 # Long enough for the next task's ledger write to carry the removal while tasks keep coming, short
 # enough that an idle worker's finished tasks leave the ledger well within any sweep's grace.
 FLUSH_DELAY_SECONDS = 0.2
-
-
-@dataclass
-class _Line:
-    """A connection of the outbox's own to one ledger's Redis, and the writes whose answers are owed."""
-
-    ledger: Ledger
-    conn: AbstractConnection
-    owed: list[_Write] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Write:
-    """An entry sent without waiting, the removals it carried, and the lease of the boot that wrote it."""
-
-    entry: Entry
-    releases: list[tuple[str, str]]
-    lease: str
 
 
 class Outbox:
@@ -71,50 +54,57 @@ class Outbox:
     def __init__(self, delay: float = FLUSH_DELAY_SECONDS) -> None:
         self.delay = delay
         self._pending: dict[Ledger, list[tuple[str, str]]] = {}
-        self._lines: dict[Ledger, _Line] = {}
-        self._lock = threading.Lock()
+        self._lines: dict[Ledger, Line] = {}
+        self._lock = threading.Lock()  # what is queued and owed: held for moves in memory only
+        self._reading = threading.Lock()  # held while answers are awaited
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         _outboxes.add(self)
 
-    def admit(self, ledger: Ledger, entry: Entry, lease: str) -> None:
-        """Write ``entry``, carrying the queued removals, without waiting for Redis's answer.
-
-        Raises ``redis.RedisError`` when it could not be sent; nothing was written then, and the
-        removals stay queued.
+    def admit(
+        self, ledger: Ledger, entry: Entry, lease: str, on_answer: Callable[[bool], None] | None = None
+    ) -> None:
+        """Write ``entry``, carrying the queued removals, without waiting for Redis's answer; once it
+        comes, ``on_answer(recorded)`` says whether Redis recorded the entry. Raises
+        ``redis.RedisError`` when it could not be sent; nothing was written then, the removals stay queued.
         """
         with self._lock:
             self._ensure_thread()
-            line = self._line(ledger)
             releases = self._pending.pop(ledger, [])
-            try:
+        line: Line | None = None
+        try:
+            line = self._line(ledger)
+            with line.sending:
+                if line.lost:
+                    raise redis.ConnectionError("the outbox's connection was lost")
                 ledger.send_admit(line.conn, entry, releases, lease)
-            except redis.RedisError:
-                self._pending.setdefault(ledger, [])[:0] = releases
+                with self._lock:  # in the order sent: answers are read in that order
+                    line.owed.append(Write(entry, releases, lease, on_answer))
+        except redis.RedisError:
+            self.give_back(ledger, releases)
+            if line is not None:
                 self._lost(line)
-                raise
-            line.owed.append(_Write(entry, releases, lease))
+            raise
         self._nudge()
 
     def release(self, ledger: Ledger, task_id: str, token: str, *, now: bool = False) -> None:
         """Queue the removal of ``task_id``'s entry if it still carries ``token``; with ``now``, remove it
-        (and whatever else is queued for ``ledger``) before returning."""
+        (and whatever else is queued) before returning."""
         with self._lock:
             self._ensure_thread()
             self._pending.setdefault(ledger, []).append((task_id, token))
-            if now:
-                self._settle_all()
-                self._send(ledger, self._pending.pop(ledger))
-                return
-        self._nudge()
+        if now:
+            self.flush()
+        else:
+            self._nudge()
 
     def take(self, ledger: Ledger) -> list[tuple[str, str]]:
         """The removals queued for ``ledger``, for a ledger write to carry; they are no longer queued.
 
         Every entry this outbox sent is answered first, so a removal never overtakes its entry.
         """
+        self._settle_all()
         with self._lock:
-            self._settle_all()
             return self._pending.pop(ledger, [])
 
     def give_back(self, ledger: Ledger, releases: list[tuple[str, str]]) -> None:
@@ -126,13 +116,12 @@ class Outbox:
 
     def settle(self) -> None:
         """Wait for the answer to every entry sent, so each is in Redis (or its failure logged)."""
-        with self._lock:
-            self._settle_all()
+        self._settle_all()
 
     def flush(self) -> int:
         """Settle, then carry out every queued removal now; returns how many were sent."""
+        self._settle_all()
         with self._lock:
-            self._settle_all()
             pending, self._pending = self._pending, {}
         for ledger, releases in pending.items():
             self._send(ledger, releases)
@@ -145,64 +134,68 @@ class Outbox:
         except redis.RedisError as exc:
             # Left for the sweep, which forgets an entry whose task finished.
             logger.warning(
-                "celery-orphans: cannot remove %d finished tasks from the ledger (%s): %s",
+                "cannot remove %d finished tasks from the ledger (%s): %s",
                 len(releases),
                 ", ".join(task_id for task_id, _ in releases[:5]),
                 exc,
             )
 
-    def _line(self, ledger: Ledger) -> _Line:
-        line = self._lines.get(ledger)
+    def _line(self, ledger: Ledger) -> Line:
+        with self._lock:
+            line = self._lines.get(ledger)
         if line is None:
-            ledger.load_scripts()
-            pool = ledger.client.connection_pool
-            # No health check: its PING would read an answer owed to an earlier write. A connection
-            # found dead has those writes made again, the slow way (_lost).
-            conn = pool.connection_class(**{**pool.connection_kwargs, "health_check_interval": 0})
-            line = self._lines[ledger] = _Line(ledger, conn)
+            conn = connect(ledger)
+            with self._lock:  # another thread may have made one meanwhile: one line per ledger
+                line = self._lines.setdefault(ledger, Line(ledger, conn))
+            if line.conn is not conn:
+                conn.disconnect()
         return line
 
     def _settle_all(self) -> None:
-        for line in self._lines.values():
-            self._settle(line)
+        with self._reading:
+            with self._lock:
+                lines = list(self._lines.values())  # a line found lost leaves the dict
+            for line in lines:
+                self._settle(line)
 
-    def _settle(self, line: _Line) -> None:
-        """Read the answers owed on ``line``, in the order the writes were sent."""
-        while line.owed:
-            write = line.owed[0]
+    def _settle(self, line: Line) -> None:
+        """Read the answers owed on ``line``, in the order the writes were sent (``_reading`` held)."""
+        while True:
+            with self._lock:
+                if not line.owed or line.lost:
+                    return
+                write = line.owed[0]
             try:
-                reply = line.conn.read_response()
+                # The connection is closed by _lost alone, which waits for a send under way.
+                reply: Any = line.conn.read_response(disconnect_on_error=False)
             except (redis.ConnectionError, redis.TimeoutError):
                 self._lost(line)
                 return
-            except redis.exceptions.NoScriptError:
-                # Redis lost its scripts (it restarted): the slow way loads the script again.
-                line.owed.pop(0)
-                self._redo(line.ledger, write)
-                continue
             except redis.ResponseError as exc:
+                reply = exc
+            with self._lock:
+                if line.lost:  # by a failed send meanwhile: its writes are made again the slow way
+                    return
                 line.owed.pop(0)
-                _not_recorded(write.entry, exc)
-                continue
-            line.owed.pop(0)
-            _check(write.entry, admission(write.entry.task_id, reply))
+            if isinstance(reply, redis.exceptions.NoScriptError):  # Redis restarted: the slow way loads it
+                redo(line.ledger, write)
+            elif isinstance(reply, redis.ResponseError):
+                not_recorded(write, reply)
+            else:
+                check(write, admission(write.entry.task_id, reply))
 
-    def _lost(self, line: _Line) -> None:
+    def _lost(self, line: Line) -> None:
         """The connection broke with answers owed: whether or not Redis carried those writes out, making
         them again the slow way, whose client reconnects, leaves the same state."""
-        line.conn.disconnect()
-        owed, line.owed = line.owed, []
+        with line.sending:
+            line.lost = True
+            line.conn.disconnect()
+            with self._lock:
+                if self._lines.get(line.ledger) is line:
+                    del self._lines[line.ledger]  # the next write connects anew, wherever the ledger is now
+                owed, line.owed = line.owed, []
         for write in owed:
-            self._redo(line.ledger, write)
-
-    @staticmethod
-    def _redo(ledger: Ledger, write: _Write) -> None:
-        try:
-            answer = ledger.admit_delivery(write.entry, write.releases, lease=write.lease)
-        except redis.RedisError as exc:
-            _not_recorded(write.entry, exc)
-            return
-        _check(write.entry, answer)
+            redo(line.ledger, write)
 
     def _nudge(self) -> None:
         # The event stays set until the thread wakes: the thread is woken once per flush, not per task.
@@ -216,7 +209,7 @@ class Outbox:
         self._thread.start()
 
     def _forget_parent(self) -> None:
-        self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+        self._lock, self._reading = threading.Lock(), threading.Lock()  # a parent's thread may hold them
         self._wake = threading.Event()
         self._thread = None
         self._lines = {}
@@ -242,27 +235,6 @@ def _forget_parents() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_parents)
-
-
-def _not_recorded(entry: Entry, exc: Exception) -> None:
-    logger.warning(
-        "celery-orphans: cannot record %s[%s] in the ledger: %s; it runs, but could not be recovered if "
-        "its worker died",
-        entry.task_name,
-        entry.task_id,
-        exc,
-    )
-
-
-def _check(entry: Entry, answer: Admission) -> None:
-    if not answer.admitted:
-        # Only a caller sending one task id twice gets here: its other copy was recovered or closed.
-        logger.warning(
-            "celery-orphans: %s[%s] runs although its fence has moved past this copy; "
-            "was the same task id sent twice?",
-            entry.task_name,
-            entry.task_id,
-        )
 
 
 outbox = Outbox()

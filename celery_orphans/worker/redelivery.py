@@ -4,29 +4,28 @@ RabbitMQ puts a dead worker's unacknowledged messages back in the queue at once 
 after ``visibility_timeout``), so a worker runs the task again before any sweep can judge it, and a task
 that kills its worker every time would run for ever. The ledger's admit finds the unreleased entry of the
 lost execution and counts the delivery as a recovery, under the same cap as every other (``ADMIT``
-in scripts.py); the worker records it, and once the cap is reached marks the task terminal instead of
+in scripts/delivery.py); the worker records it, and once the cap is reached marks the task terminal instead of
 running it, as it does when a pool process is lost.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import redis
 from django.db import DatabaseError
 
-from celery_orphans import registry
+from celery_orphans import logs, registry
 from celery_orphans.conf import settings
-from celery_orphans.entry import Entry, Unreadable
+from celery_orphans.entry import HEADER, Entry, Unreadable
 from celery_orphans.ledger import Admission
-from celery_orphans.reconcile import after_redelivery
-from celery_orphans.sweep import audit
-from celery_orphans.worker import heartbeat
+from celery_orphans.recovery import audit
+from celery_orphans.rules import after_redelivery
+from celery_orphans.worker import lifecycle
 from celery_orphans.worker.takeover import take_over
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 
 def first_hand(request: Any) -> bool:
@@ -38,11 +37,14 @@ def first_hand(request: Any) -> bool:
     restores a message (past its visibility timeout, at a shutdown, on a reject). Other transports do
     not, and every delivery of theirs is checked. A message with an ETA is checked too: a transport that
     restores one a worker holds past its visibility timeout hands a second worker a copy that comes due
-    at the same moment as the first.
+    at the same moment as the first. So is a message that carries this extension's header: a recovery's
+    copy, which a sweep that crashed after publishing it, or a publish retried after the broker took it,
+    may have sent twice; the admit drops the second (``ADMIT``).
     """
     return (
         not request.delivery_info.get("redelivered")
         and not request.eta
+        and HEADER not in (request.message.headers or {})
         and marks_redeliveries(request.task.app)
     )
 
@@ -78,35 +80,31 @@ def drop_duplicate(request: Any, running: Entry | Unreadable | None) -> None:
     """
     owner = f"{running.node} (boot {running.boot})" if isinstance(running, Entry) else "a live worker"
     logger.warning(
-        "celery-orphans: dropped a duplicate of %s[%s]: the same message is running on %s",
+        "dropped a duplicate of %s[%s]: the same message is running on %s",
         request.name,
         request.id,
         owner,
     )
-    beat = heartbeat.current()
+    heartbeat = lifecycle.current()
     try:
-        audit.record_duplicate(request.id, request.name, beat.node if beat else "", owner)
+        audit.record_duplicate(request.id, request.name, heartbeat.node if heartbeat else "", owner)
     except DatabaseError as exc:
-        logger.error(
-            "celery-orphans: could not audit the duplicate of %s[%s]: %s", request.name, request.id, exc
-        )
+        logger.error("could not audit the duplicate of %s[%s]: %s", request.name, request.id, exc)
 
 
-def record(request: Any, admission: Admission) -> bool:
+def handle_counted(request: Any, admission: Admission) -> bool:
     """Record a counted redelivery, or mark the task terminal at the cap; ``True``: do not run it."""
-    beat = heartbeat.current()
-    if beat is None:
+    heartbeat = lifecycle.current()
+    if heartbeat is None:
         return False
     before = admission.attempts - 1 if admission.redelivered else admission.attempts
     decide = functools.partial(after_redelivery, limit_reached=admission.limit_reached)
     try:
         lost_on = admission.previous.node if isinstance(admission.previous, Entry) else None
-        outcome = take_over(request, beat, before, decide, lost_on)
+        outcome = take_over(request, heartbeat, before, decide, lost_on)
     except (redis.RedisError, DatabaseError) as exc:
         # The count stands in the fence; only its record (or, at the cap, the terminal mark) is missing,
         # and the task runs, as it would have without celery-orphans.
-        logger.error(
-            "celery-orphans: could not record the redelivery of %s[%s]: %s", request.name, request.id, exc
-        )
+        logger.error("could not record the redelivery of %s[%s]: %s", request.name, request.id, exc)
         return False
     return admission.limit_reached and outcome.done

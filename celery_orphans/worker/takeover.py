@@ -8,6 +8,7 @@ decision is the pure one (``reconcile``); carrying it out is the sweep's executo
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -17,28 +18,30 @@ from django.utils import timezone
 from celery_orphans import registry
 from celery_orphans.choices import Trigger
 from celery_orphans.conf import settings
+from celery_orphans.decision import Decision
 from celery_orphans.entry import Entry, delivery_from_message
-from celery_orphans.ledger import Ledger, ledger_for, now
-from celery_orphans.reconcile import Candidate, Decision, Policy
-from celery_orphans.sweep.actions import Executor
-from celery_orphans.sweep.values import Outcome
+from celery_orphans.ledger import Ledger, ledger_for
+from celery_orphans.observations import Candidate
+from celery_orphans.recovery.executor import Executor
+from celery_orphans.recovery.outcome import Outcome
+from celery_orphans.rules import Limits
 from celery_orphans.worker.heartbeat import Heartbeat
 
 
 @functools.lru_cache(maxsize=4)
-def boot_ledger(beat: Heartbeat) -> Ledger:
+def boot_ledger(heartbeat: Heartbeat) -> Ledger:
     """The ledger of one worker boot: where its lease lives, found once rather than for every task."""
-    return ledger_for(beat.keys)
+    return ledger_for(heartbeat.keys)
 
 
-def entry_for(request: Any, beat: Heartbeat, token: str) -> Entry:
+def entry_for(request: Any, heartbeat: Heartbeat, token: str) -> Entry:
     """The ledger entry of a request this worker boot is about to run (or ran)."""
     return Entry(
         task_id=request.id,
         task_name=request.name,
-        node=beat.node,
-        boot=beat.boot,
-        recorded_at=now(),
+        node=heartbeat.node,
+        boot=heartbeat.boot,
+        recorded_at=time.time(),
         delivery=delivery_from_message(request.message),
         token=token,
     )
@@ -46,9 +49,9 @@ def entry_for(request: Any, beat: Heartbeat, token: str) -> Entry:
 
 def take_over(
     request: Any,
-    beat: Heartbeat,
+    heartbeat: Heartbeat,
     attempts: int,
-    decide: Callable[[Candidate, Policy], Decision],
+    decide: Callable[[Candidate, Limits], Decision],
     lost_on: str | None = None,
 ) -> Outcome:
     """Decide about ``request`` with ``decide`` and carry the decision out as the worker.
@@ -58,12 +61,12 @@ def take_over(
     """
     policy = registry.policy_of(request.task)
     assert policy is not None  # only recoverable tasks get the recoverable request class
-    entry = entry_for(request, beat, request._orphans_token)
+    entry = entry_for(request, heartbeat, request._orphans_token)
     candidate = Candidate(
         task_id=request.id,
         task_name=request.name,
-        worker=lost_on or beat.node,
-        boot=beat.boot,
+        worker=lost_on or heartbeat.node,
+        boot=heartbeat.boot,
         started_at=timezone.now(),
         row_status=None,
         has_entry=True,
@@ -73,12 +76,14 @@ def take_over(
         max_attempts=policy.max_attempts,
         content_type=entry.delivery.content_type,
     )
-    policy_now = Policy(
+    limits = Limits(
         now=timezone.now(), grace=timedelta(0), max_attempts=settings.MAX_ATTEMPTS, groups=settings.GROUPS
     )
-    decision = decide(candidate, policy_now)
-    executor = Executor(request.task.app, boot_ledger(beat), Trigger.WORKER, timezone.now())
+    decision = decide(candidate, limits)
+    executor = Executor(request.task.app, boot_ledger(heartbeat), Trigger.WORKER, timezone.now())
     try:
-        return executor.carry_out(Outcome(decision, request.name, lost_on or beat.node), candidate, entry)
+        return executor.carry_out(
+            Outcome(decision, request.name, lost_on or heartbeat.node), candidate, entry
+        )
     finally:
         executor.close()

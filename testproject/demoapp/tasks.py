@@ -12,6 +12,7 @@ from typing import Any
 import redis
 from billiard import current_process
 from celery import shared_task
+from celery.exceptions import Reject
 from celery.signals import task_success
 from django.conf import settings
 
@@ -173,6 +174,56 @@ def count_steps(
 def steps_executed(task_id: str) -> int:
     """How many steps every run of a ``count_steps`` task executed, together."""
     return int(_redis().get(f"demo:steps:{task_id}") or 0)
+
+
+# Appends one side effect, stamped by the Redis server that keeps it: every worker's effects share one
+# clock, whatever the clock of the worker that made them says.
+_EFFECT = """
+local now = redis.call('TIME')
+return redis.call('RPUSH', KEYS[1], ARGV[1] .. ':' .. now[1] .. '.' .. string.format('%06d', now[2]))
+"""
+
+
+def _effect(task_id: str, execution: str, seq: int) -> None:
+    _redis().eval(_EFFECT, 1, f"demo:effects:{task_id}", f"{execution}:{os.getpid()}:{seq}:{time.time()}")
+
+
+def effects(task_id: str) -> list[str]:
+    """Side effects of a task id, oldest first: ``execution:pid:seq:local time:server time``."""
+    return [e.decode() for e in _redis().lrange(f"demo:effects:{task_id}", 0, -1)]
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.tick")
+def tick(self: Any, seconds: float, every: float = 0.5) -> int:
+    """Acts on the world every ``every`` seconds for ``seconds``: each act is a side effect that a stale
+    execution must not make once a recovered one has started (tests/faults.py checks the overlap)."""
+    _record(self.request.id, "start")
+    execution = os.urandom(4).hex()
+    end = time.monotonic() + seconds
+    seq = 0
+    while True:
+        _effect(self.request.id, execution, seq)
+        seq += 1
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        _sleep_steps(min(every, left))
+    _record(self.request.id, "finish")
+    return seq
+
+
+@recoverable
+@shared_task(bind=True, name="demoapp.requeue_once")
+def requeue_once(self: Any, seconds: float = 0.0) -> str:
+    """Gives its message back to the broker (``Reject(requeue=True)``) after ``seconds`` the first time it
+    runs."""
+    _record(self.request.id, "start")
+    if sum(1 for e in runs(self.request.id) if e.startswith("start")) == 1:
+        _sleep_steps(seconds)
+        raise Reject("back to the queue, once", requeue=True)
+    _record(self.request.id, "finish")
+    return "ran after a requeue"
 
 
 @task_success.connect

@@ -1,15 +1,36 @@
-"""Settings of the test and demo project. Services come from the environment, with local defaults."""
+"""TEST PROJECT: DO NOT COPY THESE SETTINGS. They serve celery-orphans' own tests, demo and benchmarks, on
+one machine, with services started for them: a key everyone can read, no HTTPS. A production project
+follows the checklist in docs/deployment.md#checklist, which `manage.py check --deploy` passes.
+
+Its services come from the environment, with no default: ``bash tests/run``, ``bash testproject/demo.sh``
+and the benchmarks start a Redis server and name a database of their own and set ``REDIS_URL`` and
+``DATABASE_URL``, so nothing run from here can reach a service it was not given.
+"""
 
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from django.core.exceptions import ImproperlyConfigured
+
 from celery_orphans import recommended_celery_settings
 
+
+def _required(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ImproperlyConfigured(
+            f"the test project needs {name} in the environment: run it through bash tests/run, "
+            "bash testproject/demo.sh or a benchmark, which start services of their own and set it"
+        )
+    return value
+
+
 BASE_DIR = Path(__file__).resolve().parent.parent
-SECRET_KEY = "testproject-not-secret"
-DEBUG = True
-ALLOWED_HOSTS = ["*"]
+# "django-insecure-": Django's own mark of a key that must never serve a real site (check --deploy says so).
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or "django-insecure-celery-orphans-test-project-only"
+DEBUG = os.environ.get("DJANGO_DEBUG") == "1"  # DJANGO_DEBUG=1 for a local runserver, never more
+ALLOWED_HOSTS = ["localhost", "127.0.0.1", "[::1]", "testserver"]
 USE_TZ = True
 TIME_ZONE = "UTC"
 ROOT_URLCONF = "testproject.urls"
@@ -27,12 +48,17 @@ INSTALLED_APPS = [
     "celery_orphans",
     "demoapp",
 ]
+if os.environ.get("TESTPROJECT_PLAIN") == "1":
+    # Plain Celery, for the differential suite (tests/test_no_harm.py): the same settings, no extension.
+    INSTALLED_APPS.remove("celery_orphans")
 MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 TEMPLATES = [
     {
@@ -73,9 +99,9 @@ def _database(url: str) -> dict[str, object]:
     raise ValueError(f"DATABASE_URL scheme {parts.scheme!r} is not supported by the test project")
 
 
-DATABASES = {"default": _database(os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"))}
+DATABASES = {"default": _database(_required("DATABASE_URL"))}
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = _required("REDIS_URL")
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = "django-db"

@@ -19,5 +19,10 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 
 # Short leases so that a killed worker is provably gone within a couple of seconds. Environment
 # variables, not settings, so a test can start a worker with the production defaults.
+# Each test sees the running tasks as they are now, not as a load a moment earlier judged them
+# (tests/test_inflight.py turns the sharing on where it is the subject).
+os.environ.setdefault("CELERY_ORPHANS_IN_FLIGHT_CACHE_SECONDS", "0")
 os.environ.setdefault("CELERY_ORPHANS_HEARTBEAT_SECONDS", "0.5")
 os.environ.setdefault("CELERY_ORPHANS_LEASE_SECONDS", "2")
+# One Redis on this machine, read by every worker with the same clock: no skew to cover.
+os.environ.setdefault("CELERY_ORPHANS_CLOCK_SKEW_SECONDS", "0.1")

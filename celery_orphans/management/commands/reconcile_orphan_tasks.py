@@ -7,18 +7,14 @@ import math
 from argparse import ArgumentParser, ArgumentTypeError
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError
-from kombu.exceptions import KombuError
 
-from celery_orphans import sweep
+from celery_orphans import operations
+from celery_orphans.answers import Answer, Result
 from celery_orphans.choices import Trigger
-from celery_orphans.conf import settings
-from celery_orphans.exceptions import LedgerUnavailable, SweepLocked
-from celery_orphans.reconcile import Action
 
 MAX_GRACE_MINUTES = 60 * 24 * 365  # a year: longer than any task, short enough for a date
+SWITCHED_OFF_HINT = ". Use --dry-run to see what a sweep would do, or switch it on."
 
 
 def _non_negative_minutes(value: str) -> float:
@@ -58,8 +54,9 @@ class Command(BaseCommand):
             "--grace-minutes",
             type=_non_negative_minutes,
             default=None,
-            help="Only judge tasks started at least this long ago (fractions allowed). "
-            "Default: CELERY_ORPHANS_GRACE_SECONDS.",
+            help="Only judge tasks started at least this long ago (fractions allowed), even those whose "
+            "worker is known dead. Default: CELERY_ORPHANS_GRACE_SECONDS, which a task whose worker is known "
+            "dead does not wait for.",
         )
         parser.add_argument(
             "--max-attempts",
@@ -74,47 +71,36 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        dry_run: bool = options["dry_run"]
+        grace = options["grace_minutes"]
         try:
-            if not dry_run and not settings.ENABLED:
-                raise CommandError(
-                    "CELERY_ORPHANS_ENABLED is off: nothing was changed. Use --dry-run to see what a sweep "
-                    "would do, or switch it on."
-                )
-            grace = options["grace_minutes"]
-            report = sweep.run(
-                sweep.Options(
-                    trigger=Trigger.COMMAND,
-                    dry_run=dry_run,
-                    grace_seconds=None if grace is None else grace * 60,
-                    max_attempts=options["max_attempts"],
-                )
+            answer = operations.sweep(
+                Trigger.COMMAND,
+                operations.shell_user(),
+                dry_run=options["dry_run"],
+                grace_seconds=None if grace is None else grace * 60,
+                max_attempts=options["max_attempts"],
             )
-        except sweep.SweepFailed as exc:
-            self._print(exc.report, options)
-            raise CommandError(f"the sweep stopped part way: {exc}") from exc
-        except SweepLocked as exc:
-            raise CommandError(f"{exc}; nothing was done") from exc
-        except (LedgerUnavailable, ImproperlyConfigured, DatabaseError) as exc:
-            raise CommandError(str(exc)) from exc
-        except (KombuError, OSError) as exc:
-            raise CommandError(f"cannot reach the broker to ask the workers: {exc}") from exc
-        self._print(report, options)
+        except operations.Refused as exc:
+            hint = SWITCHED_OFF_HINT if exc.problem is operations.Problem.SWITCHED_OFF else ""
+            raise CommandError(f"{exc}{hint}") from exc
+        self._print(answer, options)
+        if answer.error is not None:
+            raise CommandError(f"the sweep stopped part way: {answer.error}")
 
-    def _print(self, report: sweep.Report, options: dict[str, Any]) -> None:
-        outcomes = [o for o in report.outcomes if options["all"] or o.decision.action is not Action.LEAVE]
+    def _print(self, answer: Answer, options: dict[str, Any]) -> None:
+        results = answer.shown(every=options["all"])
         if options["json"]:
-            for o in outcomes:
-                self.stdout.write(json.dumps(o.as_json()))
+            for result in results:
+                self.stdout.write(json.dumps(result.as_json()))
             return
-        if outcomes:
-            self.stdout.write(_table(outcomes))
-        self.stdout.write(("Dry run: " if report.dry_run else "") + report.summary())
+        if results:
+            self.stdout.write(_table(results))
+        self.stdout.write(("Dry run: " if answer.dry_run else "") + answer.summary)
 
 
-def _table(outcomes: list[sweep.Outcome]) -> str:
+def _table(results: list[Result]) -> str:
     columns = ("task_id", "task_name", "worker", "action", "reason", "evidence")
     header = tuple(c.replace("_", " ").upper() for c in columns)
-    lines = [tuple(str(o.as_json()[c]) for c in columns) for o in outcomes]
+    lines = [tuple(str(r.as_json()[c]) for c in columns) for r in results]
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *lines])

@@ -7,10 +7,12 @@ one broadcast, the worker's lease, the recovery count) and this module decides w
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+
+from celery_orphans.decision import ORPHAN_EVIDENCE, Action, Decision, Evidence, Reason
+from celery_orphans.observations import Candidate, WorkerView
 
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED", "IGNORED"})
 # How far ahead of the sweep's clock a recorded start may be and still count as "just started": hosts
@@ -22,132 +24,30 @@ CLOCK_TOLERANCE = timedelta(seconds=5)
 HAND_BACK_GRACE = timedelta(minutes=5)
 
 
-class Action(str, enum.Enum):
-    RECOVER = "recover"
-    MARK_TERMINAL = "mark_terminal"
-    FORGET = "forget"  # drop a ledger entry left behind by a task that finished
-    LEAVE = "leave"
-    REPORT = "report"  # cannot be judged; untouched
-
-
-class Evidence(str, enum.Enum):
-    """What proved the owner alive or gone."""
-
-    WORKER_HOLDS_TASK = "worker_holds_task"
-    BOOT_ALIVE = "boot_alive"  # the worker boot its ledger entry names still holds its lease
-    LEASE_LAPSED = "lease_lapsed"  # that boot's lease is gone: the boot gave up what it ran (fence.py)
-    PROCESS_EXITED = "process_exited"  # a process on its machine saw that boot's process exit
-    WORKER_ANSWERED_WITHOUT_TASK = "worker_answered_without_task"
-    NO_REPLY_LEASE_FRESH = "no_reply_lease_fresh"
-    NO_REPLY_NO_LEASE = "no_reply_no_lease"
-    FOUND_AT_BOOT = "found_at_boot"  # the worker's next boot found it among its own name's tasks
-    POOL_CHILD_LOST = "pool_child_lost"  # its pool process died (often the OOM killer); the worker lived
-    BROKER_REDELIVERED = "broker_redelivered"  # the broker delivered it again over its unreleased entry
-    NONE = ""
-
-
-class Reason(str, enum.Enum):
-    RECOVERABLE = "recoverable"
-    NOT_RECOVERABLE = "not_recoverable"
-    GROUP_DISABLED = "group_disabled"
-    NO_LEDGER_ENTRY = "no_ledger_entry"
-    LIMIT_REACHED = "limit_reached"
-    TOO_OLD = "too_old"
-    UNSAFE_MESSAGE = "unsafe_message"
-    DEFERRED = "deferred"  # over the per-sweep recovery limit; next sweep
-    BY_OPERATOR = "by_operator"  # a person chose to close it rather than recover it
-    ALREADY_FINISHED = "already_finished"
-    ALREADY_SENT = "already_sent"  # an earlier sweep sent it again but could not finish its bookkeeping
-    HANDED_BACK = "handed_back"  # its worker gave the message back to the broker, which delivers it again
-    ALIVE = "alive"
-    IN_GRACE = "in_grace"
-    NO_WORKER = "no_worker"
-    UNKNOWN_TASK = "unknown_task"
-    UNREADABLE = "unreadable"
-
-
-ORPHAN_EVIDENCE = frozenset(
-    {
-        Evidence.WORKER_ANSWERED_WITHOUT_TASK,
-        Evidence.LEASE_LAPSED,
-        Evidence.PROCESS_EXITED,
-        Evidence.NO_REPLY_NO_LEASE,
-        Evidence.FOUND_AT_BOOT,
-        Evidence.POOL_CHILD_LOST,
-        Evidence.BROKER_REDELIVERED,
-    }
-)
+# Content types whose bodies are data, never code: what Celery's json and msgpack serializers write, and
+# nothing else (YAML loaders have run code; a raw "application/data" body is bytes nobody vouched for).
+# A message of any other type is never sent again.
+SAFE_CONTENT_TYPES = frozenset({"application/json", "application/x-msgpack"})
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """What the records say about one task that may be running."""
+class Limits:
+    """What bounds a decision: the clock it judges by, the grace period, the default recovery cap, the
+    groups switched on or off, how old an orphan may be and still be sent again. (A task's own
+    ``@recoverable`` options are its recovery policy, in ``registry``.)
 
-    task_id: str
-    task_name: str | None
-    worker: str | None
-    boot: str | None  # the owner's boot id, known only from a ledger entry
-    started_at: datetime | None
-    row_status: str | None  # None when there is no TaskResult row
-    has_entry: bool
-    attempts: int = 0  # recoveries already made
-    task_known: bool = True
-    recoverable: bool = False
-    group: str | None = None
-    max_attempts: int | None = None  # the task's own cap, if it set one
-    content_type: str | None = None  # of the ledger entry's message
-    problem: str | None = None  # why a record could not be read
-    sent_again: bool = False  # its entry's delivery was already sent again, as recovery ``attempts``
-    handed_back_at: datetime | None = None  # when its worker gave the message back to the broker
+    ``grace`` spares a task whose boot is known gone (nothing of it is still being written);
+    ``min_age``, an operator's ``--grace-minutes``, spares no task younger than itself."""
 
-
-@dataclass(frozen=True)
-class WorkerView:
-    """What one node name told us: whether it answered the broadcast, which ids it holds, its leases."""
-
-    replied: bool
-    held: frozenset[str] = frozenset()
-    fresh_boots: frozenset[str] = frozenset()
-    gone_boots: frozenset[str] = frozenset()  # boots whose record says they are gone, not just unknown
-    exited_boots: frozenset[str] = frozenset()  # of those, the ones whose process was seen to exit
-    at_boot: bool = False  # the view is the booting worker's own: it knows exactly what it holds
-    asked: frozenset[str] | None = None  # the ids it was asked about (None: every id); a reply says no more
-
-    def answers_for(self, task_id: str) -> bool:
-        """Whether the node replied, and was asked whether it holds ``task_id``."""
-        return self.replied and (self.asked is None or task_id in self.asked)
-
-
-# Content types whose bodies are data, never code. A pickled message is never sent again.
-SAFE_CONTENT_TYPES = frozenset(
-    {"application/json", "application/x-msgpack", "application/x-yaml", "application/data"}
-)
-
-
-@dataclass(frozen=True)
-class Policy:
     now: datetime
     grace: timedelta
     max_attempts: int
     groups: Mapping[str, bool]
     max_age: timedelta | None = None
+    min_age: timedelta = timedelta(0)
 
 
-@dataclass(frozen=True)
-class Decision:
-    task_id: str
-    action: Action
-    reason: Reason
-    evidence: Evidence = Evidence.NONE
-    detail: str = ""
-    attempt: int | None = None  # the attempt a recovery sends; the count reached otherwise
-
-    @property
-    def orphaned(self) -> bool:
-        return self.evidence in ORPHAN_EVIDENCE
-
-
-def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> Decision:
+def decide(candidate: Candidate, worker: WorkerView | None, limits: Limits) -> Decision:
     """Decide what to do with one candidate, given what its worker said and the rules in force."""
     c = candidate
     if c.problem:
@@ -163,7 +63,14 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
         )
     if c.started_at is None:
         return Decision(c.task_id, Action.REPORT, Reason.UNREADABLE, detail="no start time is recorded")
-    if c.started_at > policy.now + CLOCK_TOLERANCE:
+    w = worker or WorkerView(replied=False)
+    # The grace keeps a task's records from being judged while they are being written. A task whose
+    # ledger entry names a boot known gone needs none: that boot's lease was written before the entry.
+    # Nor does its start time matter then: the boot's end is read by Redis's clock, whatever the clock
+    # of the worker that wrote the start.
+    boot_gone = c.boot is not None and not w.at_boot and c.boot in w.gone_boots
+    boot_gone = boot_gone or c.lift_unused  # no execution at all: nothing of it is being written
+    if c.started_at > limits.now + CLOCK_TOLERANCE and not boot_gone:
         # A clock that is ahead or a forged record: no age can be judged from it, so nothing is done
         # until a person looks or the start time is reached.
         return Decision(
@@ -183,13 +90,10 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
             detail=f"recovery {c.attempts} was sent by an earlier sweep that could not finish recording it",
             attempt=c.attempts,
         )
-    w = worker or WorkerView(replied=False)
-    # The grace keeps a task's records from being judged while they are being written. A task whose
-    # ledger entry names a boot known gone needs none: that boot's lease was written before the entry.
-    boot_gone = c.boot is not None and not w.at_boot and c.boot in w.gone_boots
-    if c.started_at > policy.now - policy.grace and not boot_gone:
+    in_grace = c.started_at > limits.now - limits.grace and not boot_gone
+    if in_grace or (limits.min_age and c.started_at > limits.now - limits.min_age):
         return Decision(c.task_id, Action.LEAVE, Reason.IN_GRACE)
-    if c.handed_back_at is not None and c.handed_back_at > policy.now - HAND_BACK_GRACE:
+    if c.handed_back_at is not None and c.handed_back_at > limits.now - HAND_BACK_GRACE:
         return Decision(
             c.task_id,
             Action.LEAVE,
@@ -199,7 +103,7 @@ def decide(candidate: Candidate, worker: WorkerView | None, policy: Policy) -> D
     evidence = judge(c, w)
     if evidence not in ORPHAN_EVIDENCE:
         return Decision(c.task_id, Action.LEAVE, Reason.ALIVE, evidence)
-    return _act_on_orphan(c, evidence, policy)
+    return _act_on_orphan(c, evidence, limits)
 
 
 def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
@@ -207,16 +111,23 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
 
     A ledger entry names the worker boot that runs the task. While that boot holds its lease it is alive;
     once the lease is gone the boot has given up what it ran (a worker stops its executions before its
-    lease can lapse: ``worker/fence.py``), so no question need be asked. A task known from its result row
-    alone may be run by any live boot of its node name: that node's answer decides, and without one, its
-    leases. A booting worker's own view is exact for the earlier boots of its name.
+    lease can lapse: ``worker/forfeit.py``), so no question need be asked. A task known from its result row
+    alone may be run by any boot of its node name, or by a worker that holds no lease at all (fail open):
+    that node's answer decides, and without one, its leases. A booting worker's own view is exact for
+    the earlier boots of its name.
     """
     c, w = candidate, worker
+    if c.lift_unused:
+        # Marked terminal at its cap, every copy dropped since: its entry is a message nobody runs, whatever
+        # the boot it names (often alive: a pool process died under it) says of itself.
+        return Evidence.CAP_LIFTED
     if w.at_boot:
         return Evidence.WORKER_HOLDS_TASK if c.task_id in w.held else Evidence.FOUND_AT_BOOT
     if c.boot is not None:
         if c.boot not in w.fresh_boots:
-            return Evidence.PROCESS_EXITED if c.boot in w.exited_boots else Evidence.LEASE_LAPSED
+            if c.boot in w.exited_boots:
+                return Evidence.PROCESS_EXITED
+            return Evidence.PRESENCE_LOST if c.boot in w.presence_lost_boots else Evidence.LEASE_LAPSED
         held = w.answers_for(c.task_id) and c.task_id in w.held
         return Evidence.WORKER_HOLDS_TASK if held else Evidence.BOOT_ALIVE
     if w.answers_for(c.task_id):
@@ -224,19 +135,47 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
     return Evidence.NO_REPLY_LEASE_FRESH if w.fresh_boots else Evidence.NO_REPLY_NO_LEASE
 
 
-def after_pool_loss(candidate: Candidate, policy: Policy) -> Decision:
+def asks_about(candidate: Candidate, now: datetime, grace: timedelta) -> bool:
+    """Whether the sweep's broadcast asks the candidate's node about it: a task only its result row knows
+    of, past its grace, whose decision its node's answer can change.
+
+    A row no answer settles (a task not registered here, no start time) is reported whatever its node
+    says, so its node is not asked about it: nodes without a live boot are asked (``worth_asking``), and
+    such a row, never marked, had every sweep wait out its dead node's silence before deciding anything.
+    """
+    c = candidate
+    if not c.worker or c.boot is not None or c.problem:
+        return False
+    if not c.task_name or not c.task_known or c.started_at is None:
+        return False
+    return c.started_at <= now - grace
+
+
+def worth_asking(alive: frozenset[str], gone: frozenset[str], exited: frozenset[str]) -> bool:
+    """Whether a node is asked about the tasks only its result rows know of, given its boots.
+
+    A node with a live boot is asked. So is a node without one: a live worker cut off from its ledger
+    (fail open) holds no lease, yet runs what it received, and its broker still carries the question; a
+    task whose row names it is judged only once it does not answer or answers without the task. The
+    exception is a node whose every recorded boot was seen to exit (by a process on its machine): the
+    kernel said it is gone, and waiting out its silence would hold up the sweep's other decisions.
+    """
+    return bool(alive) or not gone or gone != exited
+
+
+def after_pool_loss(candidate: Candidate, limits: Limits) -> Decision:
     """The worker saw the pool process running this task die: recover it, within the same cap."""
-    return _act_on_orphan(candidate, Evidence.POOL_CHILD_LOST, policy)
+    return _act_on_orphan(candidate, Evidence.POOL_CHILD_LOST, limits)
 
 
-def after_redelivery(candidate: Candidate, policy: Policy, *, limit_reached: bool) -> Decision:
+def after_redelivery(candidate: Candidate, limits: Limits, *, limit_reached: bool) -> Decision:
     """The broker delivered an orphan's message again and the ledger counted it, or found the cap reached.
 
     ``candidate.attempts`` is the count before this delivery. The broker has already sent the task
     again, so only the cap can stop it: a group switched off or an unsafe message governs what a
     sweep sends, not what the broker does.
     """
-    c, cap, evidence = candidate, candidate.max_attempts or policy.max_attempts, Evidence.BROKER_REDELIVERED
+    c, cap, evidence = candidate, cap_of(candidate, limits), Evidence.BROKER_REDELIVERED
     if limit_reached:
         detail = f"already recovered {c.attempts} of {cap} times"
         return Decision(c.task_id, Action.MARK_TERMINAL, Reason.LIMIT_REACHED, evidence, detail, c.attempts)
@@ -244,7 +183,7 @@ def after_redelivery(candidate: Candidate, policy: Policy, *, limit_reached: boo
     return Decision(c.task_id, Action.RECOVER, Reason.RECOVERABLE, evidence, detail, c.attempts + 1)
 
 
-def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision:
+def _act_on_orphan(c: Candidate, evidence: Evidence, limits: Limits) -> Decision:
     def terminal(reason: Reason, detail: str) -> Decision:
         return Decision(c.task_id, Action.MARK_TERMINAL, reason, evidence, detail, c.attempts)
 
@@ -259,25 +198,32 @@ def _act_on_orphan(c: Candidate, evidence: Evidence, policy: Policy) -> Decision
         )
     if not c.recoverable:
         return terminal(Reason.NOT_RECOVERABLE, f"{c.task_name} is not marked @recoverable")
-    if c.group is not None and not policy.groups.get(c.group, True):
+    if c.group is not None and not limits.groups.get(c.group, True):
         return terminal(Reason.GROUP_DISABLED, f"recovery of group {c.group!r} is switched off")
     if not c.has_entry:
         return terminal(Reason.NO_LEDGER_ENTRY, "no ledger entry holds the message to send again")
     if c.content_type not in SAFE_CONTENT_TYPES:
         return terminal(Reason.UNSAFE_MESSAGE, f"a {c.content_type or 'untyped'} message is never sent again")
-    if policy.max_age is not None and c.started_at is not None and c.started_at < policy.now - policy.max_age:
-        return terminal(Reason.TOO_OLD, f"orphaned longer than {policy.max_age}; not resurrected")
-    cap = c.max_attempts or policy.max_attempts
+    if limits.max_age is not None and c.started_at is not None and c.started_at < limits.now - limits.max_age:
+        return terminal(Reason.TOO_OLD, f"orphaned longer than {limits.max_age}; not resurrected")
+    cap = cap_of(c, limits)
     if c.attempts >= cap:
         return terminal(Reason.LIMIT_REACHED, f"already recovered {c.attempts} of {cap} times")
+    lifted = " (its cap lifted by an operator)" if c.lifted > (c.max_attempts or limits.max_attempts) else ""
     return Decision(
         c.task_id,
         Action.RECOVER,
         Reason.RECOVERABLE,
         evidence,
-        f"recovery {c.attempts + 1} of {cap}",
+        f"recovery {c.attempts + 1} of {cap}{lifted}",
         c.attempts + 1,
     )
+
+
+def cap_of(candidate: Candidate, limits: Limits) -> int:
+    """How many recoveries the task is allowed: its own cap, else the default, unless an operator lifted
+    it past that once it was reached (each lift allows one recovery more than the count then held)."""
+    return max(candidate.max_attempts or limits.max_attempts, candidate.lifted)
 
 
 def defer_excess(decisions: list[Decision], limit: int | None) -> list[Decision]:

@@ -122,22 +122,21 @@ def _exception_json(exc: BaseException) -> str:
     )
 
 
-def _move(task_id: str, status: str, exc: BaseException, detail: str) -> int:
-    """Move a row that has not finished to ``status``; returns how many rows moved (0 or 1)."""
-    moved = (
-        _results()
-        .objects.filter(task_id=task_id)
-        .exclude(status__in=states.READY_STATES)
-        .update(
-            status=status,
-            result=_exception_json(exc),
-            content_type="application/json",
-            content_encoding="utf-8",
-            traceback=detail,
-            date_done=timezone.now(),
-        )
+def _move(rows: Any, status: str, exc: BaseException, detail: str) -> int:
+    """Move ``rows`` (a queryset of result rows) to ``status``; returns how many rows moved."""
+    moved = rows.update(
+        status=status,
+        result=_exception_json(exc),
+        content_type="application/json",
+        content_encoding="utf-8",
+        traceback=detail,
+        date_done=timezone.now(),
     )
     return int(moved)
+
+
+def _unfinished(task_id: str) -> Any:
+    return _results().objects.filter(task_id=task_id).exclude(status__in=states.READY_STATES)
 
 
 def finished(task_id: str) -> bool:
@@ -147,9 +146,16 @@ def finished(task_id: str) -> bool:
 
 def mark_retry(task_id: str, detail: str) -> int:
     """The task was sent again: it is no longer running, and not finished either."""
-    return _move(task_id, states.RETRY, TaskOrphaned(detail), detail)
+    return _move(_unfinished(task_id), states.RETRY, TaskOrphaned(detail), detail)
 
 
 def mark_failure(task_id: str, detail: str, *, limit_reached: bool) -> int:
     exc = RecoveryLimitReached(detail) if limit_reached else TaskOrphaned(detail)
-    return _move(task_id, states.FAILURE, exc, detail)
+    return _move(_unfinished(task_id), states.FAILURE, exc, detail)
+
+
+def reopen(task_id: str, detail: str) -> int:
+    """An operator lifted the cap of a task marked ``FAILURE`` at it: the row says it will be sent again
+    (``RETRY``, as a recovery leaves it), so the sweep that recovers it does not take it for finished."""
+    failed = _results().objects.filter(task_id=task_id, status=states.FAILURE)
+    return _move(failed, states.RETRY, TaskOrphaned(detail), detail)

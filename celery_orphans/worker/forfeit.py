@@ -1,48 +1,65 @@
-"""Self-fencing: a worker gives up its recoverable executions before anyone may judge it dead.
+"""Forfeit: a worker gives up its recoverable executions before anyone may judge it dead (it fences
+itself off; the per-task fence a recovery raises in Redis is another thing, ``ledger.Fence``).
 
 A sweep judges a worker boot dead once its lease is gone. The heartbeat (``heartbeat.py``) knows until
 when its last renewal keeps the lease alive; a safety margin before that instant, unless a renewal came
 in time, every execution the boot admitted is *forfeit*: the sweep may recover it at any moment, so it
 must not finish over the recovered run. Forfeit means:
 
-- on the prefork pool, the pool process running it is killed at once (``stop_executions``);
+- on the prefork pool, the pool process running it kills itself within ``FORFEIT_LATENCY_SECONDS`` of the
+  instant, by the clock alone, even when the worker's main process is frozen (``watchdog.py``); on gevent
+  and eventlet, the main process kills its green thread (``stop_executions``);
 - on every pool, the execution cannot store a result, apply its chain's next link, retry, or save a
   checkpoint: ``guard_task`` checks when the body returns or raises, and ``Task.retry`` first;
 - its ledger entry is kept and its message acknowledged, so the task is recovered from the ledger once.
 
 The instant is kept in memory shared with the pool processes (``_validity``), so a pool process checks it
 without a round trip and without waiting for the main process: a worker thawed after SIGSTOP finds its
-executions forfeit whichever of its threads and processes runs first.
+executions forfeit whichever of its threads and processes runs first. The memory is made in the main
+process; a forked pool process inherits it, a spawned one is handed it when it starts (``adopt``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import multiprocessing
 import os
 import signal
-import time
 from typing import Any
 
+from billiard.sharedctypes import RawArray
 from celery import Task
+from celery.exceptions import Retry
 from celery.worker import state
 
+from celery_orphans import logs
 from celery_orphans.exceptions import ExecutionForfeit
+from celery_orphans.worker import clock, watchdog
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 # Request attribute, set by the worker's main process when it admits a delivery: the generation of the
 # worker boot that admitted it. Each forfeit starts a new generation.
 GENERATION = "celery_orphans_generation"
 
-# [0]: until when (time.monotonic(), the same clock in every process) executions of generation [1] hold.
-# Created when the worker imports its tasks, before the pool forks, so every pool process shares it.
-_validity = multiprocessing.RawArray(ctypes.c_double, 2)
+# [0]: until when (clock.now(), the same clock in every process) executions of generation [1] hold.
+# Created when the worker imports its tasks, before the pool forks, so every forked pool process shares
+# it; billiard's, so that it can be handed to a spawned one (its memory is a file billiard passes on).
+_validity: Any = RawArray(ctypes.c_double, 2)
 
 
-def publish(generation: int, valid_until: float) -> None:
+def shared() -> Any:
+    """The memory the pool processes read the validity from."""
+    return _validity
+
+
+def adopt(validity: Any) -> None:
+    """In a spawned pool process: read the validity from the main process's memory, not this copy."""
+    global _validity
+    _validity = validity
+
+
+def hold_until(generation: int, valid_until: float) -> None:
     """The heartbeat renewed the lease of ``generation``: its executions hold until ``valid_until``."""
     _validity[1] = generation
     _validity[0] = valid_until
@@ -58,10 +75,10 @@ def withdraw(generation: int) -> None:
 def holds(generation: int) -> bool:
     """Whether an execution admitted under ``generation`` may still finish."""
     valid_until = _validity[0]
-    return _validity[1] == generation and time.monotonic() < valid_until
+    return bool(_validity[1] == generation and clock.now() < valid_until)
 
 
-def forfeit(request: Any) -> bool:
+def is_forfeit(request: Any) -> bool:
     """Whether the execution ``request`` describes was admitted under a generation that no longer holds."""
     generation = getattr(request, GENERATION, None)
     return isinstance(generation, int) and not holds(generation)
@@ -69,12 +86,12 @@ def forfeit(request: Any) -> bool:
 
 def refuse_if_forfeit(task: Task[Any, Any], what: str) -> None:
     """Raise ``ExecutionForfeit`` when the running execution of ``task`` is forfeit."""
-    if forfeit(task.request):
+    if is_forfeit(task.request):
         message = (
             f"{task.name}[{task.request.id}] was forfeit (its worker's lease was not renewed in time); "
             f"it may not {what}: the task is recovered from the ledger instead"
         )
-        logger.warning("celery-orphans: %s", message)
+        logger.warning("%s", message)
         raise ExecutionForfeit(message)
 
 
@@ -88,11 +105,12 @@ def guard_task(task: Task[Any, Any]) -> None:
     @functools.wraps(run)
     def guarded_run(*args: Any, **kwargs: Any) -> Any:
         try:
-            result = run(*args, **kwargs)
-        except ExecutionForfeit:
-            raise
+            with watchdog.watching(getattr(task.request, GENERATION, None)):
+                result = run(*args, **kwargs)
+        except (ExecutionForfeit, Retry):
+            raise  # a Retry comes from a retry() its own check let through: the retry is already sent
         except BaseException as exc:
-            if forfeit(task.request):
+            if is_forfeit(task.request):
                 refuse_if_forfeit(task, f"end with {type(exc).__name__}")
             raise
         refuse_if_forfeit(task, "store its result")
@@ -109,12 +127,13 @@ def guard_task(task: Task[Any, Any]) -> None:
 
 
 def stop_executions(pool: Any, generation: int) -> int:
-    """Mark the executions of ``generation`` and older forfeit; kill their pool processes where the pool
-    runs each in a process of its own (prefork), or their green threads (gevent and eventlet: ``GreenletExit``
-    at the next point where the body yields). Returns how many were marked.
+    """Mark the executions of ``generation`` and older forfeit, and kill their green threads (gevent and
+    eventlet: ``GreenletExit`` at the next point where the body yields). Returns how many were marked.
 
-    On the solo and threads pools the execution runs in a thread of this process, which cannot be stopped
-    from outside: the body runs to its end, refused only what ``guard_task`` guards."""
+    A prefork pool process is not killed from here: it kills itself (``watchdog.py``), so a pid read from
+    ``active_requests`` can never hit the process once it runs the next task. On the solo and threads
+    pools the execution runs in a thread of this process, which cannot be stopped from outside: the body
+    runs to its end, refused only what ``guard_task`` guards."""
     stopped = 0
     for request in list(state.active_requests):
         admitted = getattr(request, "_orphans_generation", None)
@@ -123,13 +142,11 @@ def stop_executions(pool: Any, generation: int) -> int:
         request._orphans_forfeit = True
         stopped += 1
         pid = getattr(request, "worker_pid", None)
-        if pid and pid != os.getpid() and pool is not None:  # solo and threads report this process
+        if pid and pid != os.getpid() and getattr(pool, "is_green", False):
             try:
                 pool.terminate_job(pid, signal.SIGKILL)
             except NotImplementedError:
                 pass  # a pool that cannot stop one execution: its outcome is refused all the same
             except OSError as exc:
-                logger.info(
-                    "celery-orphans: the pool process of %s[%s] is gone: %s", request.name, request.id, exc
-                )
+                logger.info("the pool process of %s[%s] is gone: %s", request.name, request.id, exc)
     return stopped

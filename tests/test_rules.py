@@ -9,24 +9,21 @@ from typing import Any
 
 import pytest
 
-from celery_orphans.reconcile import (
+from celery_orphans.decision import ORPHAN_EVIDENCE, Action, Decision, Evidence, Reason
+from celery_orphans.observations import Candidate, WorkerView
+from celery_orphans.rules import (
     CLOCK_TOLERANCE,
     HAND_BACK_GRACE,
-    ORPHAN_EVIDENCE,
     READY_STATES,
     SAFE_CONTENT_TYPES,
-    Action,
-    Candidate,
-    Decision,
-    Evidence,
-    Policy,
-    Reason,
-    WorkerView,
+    Limits,
     after_pool_loss,
     after_redelivery,
+    asks_about,
     decide,
     defer_excess,
     judge,
+    worth_asking,
 )
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -59,9 +56,9 @@ def candidate(**overrides: Any) -> Candidate:
     return Candidate(**{**fields, **overrides})
 
 
-def policy(**overrides: Any) -> Policy:
+def limits(**overrides: Any) -> Limits:
     fields: dict[str, Any] = {"now": NOW, "grace": GRACE, "max_attempts": 3, "groups": {}}
-    return Policy(**{**fields, **overrides})
+    return Limits(**{**fields, **overrides})
 
 
 # --- judge: alive or gone -------------------------------------------------------------------------
@@ -141,11 +138,11 @@ def test_a_task_its_worker_handed_back_to_the_broker_is_left_to_the_broker_for_a
     back = candidate(handed_back_at=NOW - timedelta(minutes=1))
     long_ago = candidate(handed_back_at=NOW - HAND_BACK_GRACE - timedelta(seconds=1))
 
-    assert (decide(back, SILENT, policy()).action, decide(back, SILENT, policy()).reason) == (
+    assert (decide(back, SILENT, limits()).action, decide(back, SILENT, limits()).reason) == (
         Action.LEAVE,
         Reason.HANDED_BACK,
     )
-    assert decide(long_ago, SILENT, policy()).action is Action.RECOVER
+    assert decide(long_ago, SILENT, limits()).action is Action.RECOVER
 
 
 # --- decide: cases that cannot be judged ----------------------------------------------------------
@@ -174,7 +171,7 @@ def test_records_that_cannot_be_judged_are_reported_and_left_untouched(
     overrides: dict[str, Any], reason: Reason, detail_part: str
 ) -> None:
     # A silent worker with no lease would make the task an orphan, were it judged at all.
-    decision = decide(candidate(**overrides), SILENT, policy())
+    decision = decide(candidate(**overrides), SILENT, limits())
 
     assert decision.action is Action.REPORT
     assert decision.reason is reason
@@ -195,7 +192,7 @@ def test_records_that_cannot_be_judged_are_reported_and_left_untouched(
     ],
 )
 def test_a_task_started_within_the_grace_period_is_left_alone(started_at: datetime) -> None:
-    decision = decide(candidate(started_at=started_at), SILENT, policy())
+    decision = decide(candidate(started_at=started_at), SILENT, limits())
 
     assert decision == Decision(TASK, Action.LEAVE, Reason.IN_GRACE)
 
@@ -209,7 +206,7 @@ def test_a_task_started_within_the_grace_period_is_left_alone(started_at: dateti
 )
 @pytest.mark.parametrize("view", [SILENT, ANSWERED_EMPTY, HOLDS])
 def test_a_start_in_the_future_is_reported_and_never_acted_on(started_at: datetime, view: WorkerView) -> None:
-    decision = decide(candidate(started_at=started_at, sent_again=True), view, policy(grace=timedelta(0)))
+    decision = decide(candidate(started_at=started_at, sent_again=True), view, limits(grace=timedelta(0)))
 
     assert (decision.action, decision.reason) == (Action.REPORT, Reason.UNREADABLE)
     assert started_at.isoformat() in decision.detail
@@ -223,10 +220,17 @@ def test_a_start_in_the_future_is_reported_and_never_acted_on(started_at: dateti
         pytest.param(GONE, Evidence.LEASE_LAPSED, id="lapsed"),
     ],
 )
-def test_a_task_in_its_grace_period_on_a_boot_known_gone_is_judged_at_once(
-    view: WorkerView, evidence: Evidence
+@pytest.mark.parametrize(
+    "started_at",
+    [
+        pytest.param(NOW, id="in-grace"),
+        pytest.param(NOW + timedelta(seconds=30), id="its-worker-clock-ahead"),
+    ],
+)
+def test_a_task_on_a_boot_known_gone_is_judged_at_once_whatever_its_start_time(
+    view: WorkerView, evidence: Evidence, started_at: datetime
 ) -> None:
-    decision = decide(candidate(started_at=NOW), view, policy())
+    decision = decide(candidate(started_at=started_at), view, limits())
 
     assert (decision.action, decision.evidence) == (Action.RECOVER, evidence)
 
@@ -242,20 +246,30 @@ def test_a_task_in_its_grace_period_on_a_boot_known_gone_is_judged_at_once(
 def test_a_task_in_its_grace_period_is_left_unless_its_own_boot_is_known_gone(
     overrides: dict[str, Any], view: WorkerView
 ) -> None:
-    decision = decide(candidate(started_at=NOW, **overrides), view, policy())
+    decision = decide(candidate(started_at=NOW, **overrides), view, limits())
 
     assert decision == Decision(TASK, Action.LEAVE, Reason.IN_GRACE)
 
 
+@pytest.mark.parametrize("view", [EXITED, GONE, SILENT])
+def test_a_minimum_age_asked_for_spares_a_younger_task_even_on_a_boot_known_gone(view: WorkerView) -> None:
+    asked = limits(min_age=timedelta(minutes=5))
+    young = decide(candidate(started_at=NOW - timedelta(seconds=15)), view, asked)
+    old = decide(candidate(started_at=NOW - timedelta(minutes=5)), view, asked)
+
+    assert young == Decision(TASK, Action.LEAVE, Reason.IN_GRACE)
+    assert old.action is Action.RECOVER
+
+
 def test_a_task_exactly_as_old_as_the_grace_period_is_judged() -> None:
-    decision = decide(candidate(started_at=NOW - GRACE), SILENT, policy())
+    decision = decide(candidate(started_at=NOW - GRACE), SILENT, limits())
 
     assert decision.action is Action.RECOVER
     assert decision.evidence is Evidence.LEASE_LAPSED
 
 
 def test_zero_grace_judges_a_task_started_this_instant() -> None:
-    decision = decide(candidate(started_at=NOW), SILENT, policy(grace=timedelta(0)))
+    decision = decide(candidate(started_at=NOW), SILENT, limits(grace=timedelta(0)))
 
     assert decision.action is Action.RECOVER
 
@@ -287,15 +301,15 @@ def test_zero_grace_judges_a_task_started_this_instant() -> None:
 def test_a_task_whose_owner_may_be_alive_is_left_alone(
     boot: str | None, view: WorkerView, evidence: Evidence
 ) -> None:
-    decision = decide(candidate(boot=boot), view, policy())
+    decision = decide(candidate(boot=boot), view, limits())
 
     assert decision == Decision(TASK, Action.LEAVE, Reason.ALIVE, evidence)
     assert not decision.orphaned
 
 
 def test_a_missing_worker_view_counts_as_no_reply() -> None:
-    with_entry = decide(candidate(), None, policy())
-    without_entry = decide(candidate(boot=None, has_entry=False), None, policy())
+    with_entry = decide(candidate(), None, limits())
+    without_entry = decide(candidate(boot=None, has_entry=False), None, limits())
 
     assert with_entry.evidence is Evidence.LEASE_LAPSED
     assert with_entry.action is Action.RECOVER
@@ -308,7 +322,7 @@ def test_a_missing_worker_view_counts_as_no_reply() -> None:
 
 @pytest.mark.parametrize("status", sorted(READY_STATES))
 def test_an_orphan_whose_row_already_finished_is_forgotten(status: str) -> None:
-    decision = decide(candidate(row_status=status, attempts=1), SILENT, policy())
+    decision = decide(candidate(row_status=status, attempts=1), SILENT, limits())
 
     assert decision.action is Action.FORGET
     assert decision.reason is Reason.ALREADY_FINISHED
@@ -319,14 +333,14 @@ def test_an_orphan_whose_row_already_finished_is_forgotten(status: str) -> None:
 
 def test_a_finished_task_whose_boot_is_alive_is_left_for_its_worker_to_clean_up() -> None:
     # Between an acknowledgement and the entry's removal, which the worker sends a moment later.
-    decision = decide(candidate(row_status="SUCCESS"), WorkerView(replied=False, fresh_boots=FRESH), policy())
+    decision = decide(candidate(row_status="SUCCESS"), WorkerView(replied=False, fresh_boots=FRESH), limits())
 
     assert (decision.action, decision.evidence) == (Action.LEAVE, Evidence.BOOT_ALIVE)
 
 
 def test_a_finished_row_is_forgotten_even_when_it_could_not_be_recovered() -> None:
     decision = decide(
-        candidate(row_status="SUCCESS", recoverable=False, has_entry=False, attempts=99), SILENT, policy()
+        candidate(row_status="SUCCESS", recoverable=False, has_entry=False, attempts=99), SILENT, limits()
     )
 
     assert decision.action is Action.FORGET
@@ -370,7 +384,7 @@ def test_an_orphan_that_cannot_be_recovered_is_marked_terminal(
     overrides: dict[str, Any], policy_overrides: dict[str, Any], reason: Reason, detail_part: str
 ) -> None:
     c = candidate(**overrides)
-    decision = decide(c, SILENT, policy(**policy_overrides))
+    decision = decide(c, SILENT, limits(**policy_overrides))
 
     assert decision.action is Action.MARK_TERMINAL
     assert decision.reason is reason
@@ -399,7 +413,7 @@ def test_the_first_failed_condition_names_the_reason() -> None:
         "started_at": OLD,
         "attempts": 3,
     }
-    p = policy(groups={"off": False}, max_age=timedelta(minutes=2))
+    p = limits(groups={"off": False}, max_age=timedelta(minutes=2))
     for fix, reason in fixes:
         assert decide(candidate(**broken), SILENT, p).reason is reason, fix
         broken.update(fix)
@@ -418,7 +432,7 @@ def test_the_first_failed_condition_names_the_reason() -> None:
     ],
 )
 def test_an_orphan_whose_message_is_not_plain_data_is_never_sent_again(content_type: str | None) -> None:
-    decision = decide(candidate(content_type=content_type), SILENT, policy())
+    decision = decide(candidate(content_type=content_type), SILENT, limits())
 
     assert decision.action is Action.MARK_TERMINAL
     assert decision.reason is Reason.UNSAFE_MESSAGE
@@ -427,13 +441,13 @@ def test_an_orphan_whose_message_is_not_plain_data_is_never_sent_again(content_t
 
 @pytest.mark.parametrize("content_type", sorted(SAFE_CONTENT_TYPES))
 def test_an_orphan_whose_message_is_plain_data_is_recovered(content_type: str) -> None:
-    decision = decide(candidate(content_type=content_type), SILENT, policy())
+    decision = decide(candidate(content_type=content_type), SILENT, limits())
 
     assert decision.action is Action.RECOVER
 
 
 def test_an_orphan_older_than_the_age_limit_is_marked_terminal() -> None:
-    decision = decide(candidate(started_at=OLD), SILENT, policy(max_age=timedelta(minutes=4)))
+    decision = decide(candidate(started_at=OLD), SILENT, limits(max_age=timedelta(minutes=4)))
 
     assert decision.action is Action.MARK_TERMINAL
     assert decision.reason is Reason.TOO_OLD
@@ -449,7 +463,7 @@ def test_an_orphan_older_than_the_age_limit_is_marked_terminal() -> None:
     ],
 )
 def test_an_orphan_within_the_age_limit_is_recovered(max_age: timedelta | None) -> None:
-    decision = decide(candidate(started_at=OLD), SILENT, policy(max_age=max_age))
+    decision = decide(candidate(started_at=OLD), SILENT, limits(max_age=max_age))
 
     assert decision.action is Action.RECOVER
 
@@ -471,7 +485,7 @@ def test_an_orphan_within_its_limits_is_recovered(
     overrides: dict[str, Any], policy_overrides: dict[str, Any]
 ) -> None:
     c = candidate(**overrides)
-    p = policy(**policy_overrides)
+    p = limits(**policy_overrides)
     decision = decide(c, SILENT, p)
 
     cap = c.max_attempts or p.max_attempts
@@ -503,7 +517,7 @@ def test_an_orphan_within_its_limits_is_recovered(
 def test_a_recovery_carries_the_evidence_that_proved_the_owner_gone(
     boot: str | None, view: WorkerView, evidence: Evidence
 ) -> None:
-    decision = decide(candidate(boot=boot), view, policy())
+    decision = decide(candidate(boot=boot), view, limits())
 
     assert decision.action is Action.RECOVER
     assert decision.evidence is evidence
@@ -512,11 +526,62 @@ def test_a_recovery_carries_the_evidence_that_proved_the_owner_gone(
 
 def test_a_row_without_a_ledger_entry_is_recovered_from_nothing_never() -> None:
     # A row alone names no boot; if no lease lives under its node it is an orphan, but the message is gone.
-    decision = decide(candidate(boot=None, has_entry=False), SILENT, policy())
+    decision = decide(candidate(boot=None, has_entry=False), SILENT, limits())
 
     assert decision.action is Action.MARK_TERMINAL
     assert decision.reason is Reason.NO_LEDGER_ENTRY
     assert decision.evidence is Evidence.NO_REPLY_NO_LEASE
+
+
+def test_a_row_only_task_of_a_worker_cut_off_from_its_ledger_is_left_once_it_answers_holding_it() -> None:
+    # Fail open: the worker holds no lease, but it answers the broadcast, and its answer decides.
+    view = WorkerView(replied=True, held=frozenset({TASK}), asked=frozenset({TASK}))
+
+    decision = decide(candidate(boot=None, has_entry=False), view, limits())
+
+    assert decision.action is Action.LEAVE
+    assert decision.evidence is Evidence.WORKER_HOLDS_TASK
+
+
+@pytest.mark.parametrize(
+    ("alive", "gone", "exited", "asked"),
+    [
+        pytest.param({"a"}, set(), set(), True, id="live-boot"),
+        pytest.param({"b"}, {"a"}, {"a"}, True, id="live-boot-beside-an-exited-one"),
+        pytest.param(set(), set(), set(), True, id="no-boot-recorded"),
+        pytest.param(set(), {"a"}, set(), True, id="lease-lapsed-as-a-cut-off-worker-s-does"),
+        pytest.param(set(), {"a", "b"}, {"a"}, True, id="one-lapsed-one-exited"),
+        pytest.param(set(), {"a"}, {"a"}, False, id="every-boot-seen-to-exit"),
+    ],
+)
+def test_a_node_is_asked_unless_every_boot_of_it_was_seen_to_exit(
+    alive: set[str], gone: set[str], exited: set[str], asked: bool
+) -> None:
+    assert worth_asking(frozenset(alive), frozenset(gone), frozenset(exited)) is asked
+
+
+@pytest.mark.parametrize(
+    ("overrides", "asked"),
+    [
+        pytest.param({"boot": None, "has_entry": False}, True, id="row-only-past-grace"),
+        pytest.param({}, False, id="its-entry-names-its-boot"),
+        pytest.param({"boot": None, "started_at": NOW - GRACE / 2}, False, id="in-grace"),
+        pytest.param({"boot": None, "task_known": False}, False, id="not-registered-here"),
+        pytest.param({"boot": None, "task_name": ""}, False, id="no-task-name"),
+        pytest.param({"boot": None, "started_at": None}, False, id="no-start-time"),
+        pytest.param({"boot": None, "worker": ""}, False, id="no-worker"),
+        pytest.param({"boot": None, "problem": "unreadable entry"}, False, id="unreadable"),
+    ],
+)
+def test_a_node_is_asked_only_about_a_row_only_task_its_answer_can_decide(
+    overrides: dict[str, Any], asked: bool
+) -> None:
+    c = candidate(**overrides)
+    assert asks_about(c, NOW, GRACE) is asked
+    if not asked and c.boot is None:
+        # A row-only task not asked about is one no answer decides: the same decision, silent or not.
+        decisions = {decide(c, view, limits()) for view in (SILENT, HOLDS, ANSWERED_EMPTY)}
+        assert len(decisions) == 1
 
 
 # --- a lost pool process ---------------------------------------------------------------------------
@@ -524,7 +589,7 @@ def test_a_row_without_a_ledger_entry_is_recovered_from_nothing_never() -> None:
 
 def test_a_task_whose_pool_process_died_is_recovered_at_once() -> None:
     # The worker watched its pool process die, so neither grace nor liveness applies.
-    decision = after_pool_loss(candidate(started_at=NOW, attempts=1), policy())
+    decision = after_pool_loss(candidate(started_at=NOW, attempts=1), limits())
 
     assert decision == Decision(
         TASK, Action.RECOVER, Reason.RECOVERABLE, Evidence.POOL_CHILD_LOST, "recovery 2 of 3", 2
@@ -554,7 +619,7 @@ def test_a_task_whose_pool_process_died_is_recovered_at_once() -> None:
 def test_a_pool_loss_obeys_the_same_limits_as_a_sweep(
     overrides: dict[str, Any], action: Action, reason: Reason
 ) -> None:
-    decision = after_pool_loss(candidate(**overrides), policy(groups={"off": False}))
+    decision = after_pool_loss(candidate(**overrides), limits(groups={"off": False}))
 
     assert (decision.action, decision.reason, decision.evidence) == (action, reason, Evidence.POOL_CHILD_LOST)
 
@@ -563,7 +628,7 @@ def test_a_pool_loss_obeys_the_same_limits_as_a_sweep(
 
 
 def test_a_counted_redelivery_is_recorded_as_the_next_recovery() -> None:
-    decision = after_redelivery(candidate(attempts=1), policy(), limit_reached=False)
+    decision = after_redelivery(candidate(attempts=1), limits(), limit_reached=False)
 
     assert decision == Decision(
         TASK,
@@ -580,7 +645,7 @@ def test_a_counted_redelivery_is_recorded_as_the_next_recovery() -> None:
 def test_a_redelivery_at_the_cap_marks_the_task_terminal(max_attempts: int | None) -> None:
     cap = max_attempts or 3
     decision = after_redelivery(
-        candidate(attempts=cap, max_attempts=max_attempts), policy(), limit_reached=True
+        candidate(attempts=cap, max_attempts=max_attempts), limits(), limit_reached=True
     )
 
     assert decision == Decision(
@@ -590,6 +655,62 @@ def test_a_redelivery_at_the_cap_marks_the_task_terminal(max_attempts: int | Non
         Evidence.BROKER_REDELIVERED,
         f"already recovered {cap} of {cap} times",
         cap,
+    )
+
+
+# --- a cap an operator lifted ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_attempts", [None, 1])
+def test_a_lifted_cap_recovers_the_orphan_exactly_once_more(max_attempts: int | None) -> None:
+    cap = max_attempts or 3
+    capped = candidate(attempts=cap, max_attempts=max_attempts)
+    assert decide(capped, SILENT, limits()).reason is Reason.LIMIT_REACHED  # not before the lift
+
+    lifted = dataclasses.replace(capped, lifted=cap + 1)
+    decision = decide(lifted, SILENT, limits())
+
+    assert (decision.action, decision.reason, decision.attempt) == (
+        Action.RECOVER,
+        Reason.RECOVERABLE,
+        cap + 1,
+    )
+    assert decision.detail == f"recovery {cap + 1} of {cap + 1} (its cap lifted by an operator)"
+    # Lost again after that one recovery: marked terminal at the lifted count.
+    again = decide(dataclasses.replace(lifted, attempts=cap + 1), SILENT, limits())
+    assert (again.action, again.reason, again.detail) == (
+        Action.MARK_TERMINAL,
+        Reason.LIMIT_REACHED,
+        f"already recovered {cap + 1} of {cap + 1} times",
+    )
+
+
+def test_a_lifted_cap_is_recovered_though_the_boot_its_entry_names_is_alive_and_in_grace() -> None:
+    # A pool process died under it: its worker lives on, and was the one that marked it terminal.
+    alive = WorkerView(replied=True, fresh_boots=frozenset({BOOT}))
+    lifted = candidate(attempts=3, lifted=4, started_at=NOW - timedelta(seconds=1))
+    assert decide(dataclasses.replace(lifted, lifted=0), alive, limits()).reason is Reason.IN_GRACE
+
+    decision = decide(lifted, alive, limits())
+
+    assert (decision.action, decision.evidence) == (Action.RECOVER, Evidence.CAP_LIFTED)
+    assert decision.orphaned
+    # Once that recovery is made (the count reaches the lift), the task is judged as any other.
+    assert decide(dataclasses.replace(lifted, attempts=4), alive, limits()).reason is Reason.IN_GRACE
+
+
+def test_a_lift_below_a_cap_raised_since_changes_nothing() -> None:
+    decision = decide(candidate(attempts=2, lifted=2), SILENT, limits(max_attempts=5))
+
+    assert (decision.action, decision.detail) == (Action.RECOVER, "recovery 3 of 5")
+
+
+def test_a_lifted_cap_governs_a_pool_loss_and_a_redelivery_too() -> None:
+    lifted = candidate(attempts=3, lifted=4)
+
+    assert after_pool_loss(lifted, limits()).action is Action.RECOVER
+    assert after_redelivery(lifted, limits(), limit_reached=False).detail == (
+        "recovery 4 of 4, delivered again by the broker"
     )
 
 
@@ -650,7 +771,7 @@ def test_an_entry_already_sent_again_is_only_recorded_whatever_its_worker_says(
     # At the cap too: the copy already sent is the task's last recovery, not one more.
     c = candidate(sent_again=True, attempts=attempts, started_at=NOW)
 
-    decision = decide(c, view, policy(max_attempts=3))
+    decision = decide(c, view, limits(max_attempts=3))
 
     assert (decision.action, decision.reason) == (Action.RECOVER, Reason.ALREADY_SENT)
     assert decision.attempt == attempts
@@ -658,7 +779,7 @@ def test_an_entry_already_sent_again_is_only_recorded_whatever_its_worker_says(
 
 
 def test_an_entry_already_sent_is_never_deferred_nor_counted_against_the_limit() -> None:
-    sent = decide(candidate(task_id="s", sent_again=True, attempts=1), SILENT, policy())
+    sent = decide(candidate(task_id="s", sent_again=True, attempts=1), SILENT, limits())
     decisions = [sent, _recover("a"), _recover("b")]
 
     kept = defer_excess(decisions, 1)
@@ -691,7 +812,7 @@ FUTURE = [NOW + CLOCK_TOLERANCE * 2, NOW + timedelta(days=1)]
 ALIVE_EVIDENCE = {Evidence.WORKER_HOLDS_TASK, Evidence.NO_REPLY_LEASE_FRESH}
 CAP = 3
 INVARIANT_POLICIES = [
-    policy(max_attempts=CAP, groups={"on": True, "off": False}, max_age=max_age)
+    limits(max_attempts=CAP, groups={"on": True, "off": False}, max_age=max_age)
     for max_age in (None, timedelta(minutes=1), NOW - OLD)
 ]
 
@@ -704,19 +825,20 @@ def test_no_combination_acts_on_a_record_it_cannot_judge_or_a_task_in_grace() ->
         c = candidate(started_at=started, boot=boot, row_status=status, has_entry=entry, **record)
         d = decide(c, view, INVARIANT_POLICIES[0])
 
-        if record or started is None or started > NOW + CLOCK_TOLERANCE:
+        boot_gone = boot is not None and view is not None and boot in view.gone_boots
+        if record or started is None or (started > NOW + CLOCK_TOLERANCE and not boot_gone):
             assert d.action is Action.REPORT, (c, view, d)
             assert d.evidence is Evidence.NONE, (c, view, d)
-        elif boot is not None and view is not None and boot in view.gone_boots:
+        elif boot_gone:
             # The one exception: the boot its ledger entry names is known gone, so no record of it is
-            # still being written.
+            # still being written, and its start time, by whatever clock, does not matter.
             assert d.evidence in (Evidence.LEASE_LAPSED, Evidence.PROCESS_EXITED), (c, view, d)
         else:
             assert (d.action, d.reason) == (Action.LEAVE, Reason.IN_GRACE), (c, view, d)
             assert d.evidence is Evidence.NONE, (c, view, d)
 
 
-def _check_judged(c: Candidate, view: WorkerView | None, p: Policy, d: Decision) -> None:
+def _check_judged(c: Candidate, view: WorkerView | None, p: Limits, d: Decision) -> None:
     """What must hold of every decision on a readable task outside its grace period."""
     assert c.started_at is not None
     evidence = judge(c, view or SILENT)
@@ -803,8 +925,8 @@ def test_every_judged_combination_keeps_the_safety_invariants() -> None:
 
 
 def test_decisions_are_values() -> None:
-    decision = decide(candidate(), SILENT, policy())
+    decision = decide(candidate(), SILENT, limits())
 
-    assert decision == decide(candidate(), SILENT, policy())
+    assert decision == decide(candidate(), SILENT, limits())
     with pytest.raises(dataclasses.FrozenInstanceError):
         decision.action = Action.LEAVE  # type: ignore[misc]

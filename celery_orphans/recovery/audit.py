@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import logging
+from datetime import timedelta
 from typing import Any
 
 from django.apps import apps
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.dispatch import Signal
+from django.utils import timezone
 
+from celery_orphans import logs
 from celery_orphans.checkpoints import Saved
 from celery_orphans.choices import AuditAction, Trigger
-from celery_orphans.reconcile import Action, Decision
+from celery_orphans.decision import Action, Decision
+from celery_orphans.recovery.outcome import Outcome
 from celery_orphans.signals import orphan_detected, orphan_marked_terminal, orphan_recovered
-from celery_orphans.sweep.values import Outcome
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 
 def _events() -> Any:
@@ -27,11 +29,13 @@ _AUDITED = {
     Action.RECOVER: AuditAction.RECOVERED,
     Action.MARK_TERMINAL: AuditAction.MARKED_TERMINAL,
     Action.FORGET: AuditAction.FORGOTTEN,
+    Action.REPORT: AuditAction.REPORTED,
 }
 _SHADOWED = {
     Action.RECOVER: AuditAction.WOULD_RECOVER,
     Action.MARK_TERMINAL: AuditAction.WOULD_MARK_TERMINAL,
     Action.FORGET: AuditAction.WOULD_FORGET,
+    Action.REPORT: AuditAction.REPORTED,  # reporting changes nothing: the same in shadow mode
 }
 
 
@@ -61,6 +65,76 @@ def record(
     )
 
 
+def record_event(
+    action: AuditAction,
+    *,
+    reason: str,
+    trigger: Trigger,
+    user: str = "",
+    detail: str = "",
+    task_id: str = "",
+    task_name: str = "",
+    worker: str = "",
+) -> Any:
+    """A row that records no action taken on a task: a refusal, a failure, a sweep with nothing to do.
+
+    Written in a savepoint of its own, so a database fault here leaves a surrounding transaction usable;
+    that fault is logged, never raised: the record of a refusal must not turn it into another error.
+    """
+    try:
+        with transaction.atomic():
+            return _events().objects.create(
+                task_id=task_id[:255],
+                task_name=task_name[:255],
+                worker=worker[:255],
+                action=action,
+                reason=reason[:64],
+                detail=detail,
+                trigger=trigger,
+                triggered_by=user[:150],
+            )
+    except DatabaseError as exc:
+        logger.error(
+            "could not write the audit row of a %s (%s, by %s): %s", action, reason, user or trigger, exc
+        )
+        return None
+
+
+def record_failure(decision: Decision, detail: str, *, task_name: str, worker: str, trigger: Trigger,
+                   user: str = "") -> Any:  # fmt: skip
+    """An action on a task that could not be carried out; the sweep stopped there."""
+    return record_event(
+        AuditAction.FAILED, reason=decision.reason.value, detail=f"{detail}; the sweep stopped here",
+        trigger=trigger, user=user, task_id=decision.task_id, task_name=task_name, worker=worker,
+    )  # fmt: skip
+
+
+def refused_lately(user: str, reason: str, seconds: float) -> bool:
+    """Whether a refusal of ``user`` for ``reason`` was recorded in the last ``seconds``."""
+    since = timezone.now() - timedelta(seconds=seconds)
+    found = _events().objects.filter(
+        action=AuditAction.REFUSED, reason=reason, triggered_by=user[:150], created_at__gte=since
+    )
+    return bool(found.exists())
+
+
+def record_lift(
+    task_id: str, *, task_name: str, worker: str, attempts: int, detail: str, trigger: Trigger, user: str
+) -> Any:
+    """An operator lifted the recovery cap of a task marked terminal at it (in the lift's transaction)."""
+    return _events().objects.create(
+        task_id=task_id,
+        task_name=task_name[:255],
+        worker=worker[:255],
+        action=AuditAction.CAP_LIFTED,
+        reason="by_operator",
+        detail=detail,
+        attempt=attempts,
+        trigger=trigger,
+        triggered_by=user[:150],
+    )
+
+
 def record_duplicate(task_id: str, task_name: str, worker: str, running_on: str) -> Any:
     """A worker dropped a delivery of a task that an execution on ``running_on`` runs and is alive."""
     return _events().objects.create(
@@ -80,7 +154,8 @@ def record_once(
 ) -> Any:
     """Like ``record``, unless the same action was already recorded for the task (shadow mode repeats)."""
     action = (_SHADOWED if shadow else _AUDITED)[decision.action]
-    if _events().objects.filter(task_id=decision.task_id, action=action).exists():
+    # Once per task and person: an operator's shadow run is recorded under their name, even after Beat's.
+    if _events().objects.filter(task_id=decision.task_id, action=action, triggered_by=user[:150]).exists():
         return None
     return record(decision, task_name=task_name, worker=worker, trigger=trigger, user=user, shadow=shadow)
 
@@ -138,7 +213,7 @@ def _send(signal: Signal, arguments: dict[str, Any]) -> None:
     for receiver, result in signal.send_robust(sender=_events(), **arguments):
         if isinstance(result, Exception):
             logger.error(
-                "celery-orphans: a receiver of a celery-orphans signal raised for task %s: %r (%s)",
+                "a receiver of a celery-orphans signal raised for task %s: %r (%s)",
                 arguments["task_id"],
                 result,
                 getattr(receiver, "__qualname__", receiver),

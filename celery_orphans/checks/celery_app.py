@@ -1,7 +1,7 @@
-"""Django system checks for the Celery and celery-orphans configuration that recovery depends on.
+"""Checks of the Celery app's configuration and of its recoverable tasks: E001-E004, W001, W003, E013.
 
-They read configuration only (the Celery app's ``conf`` and task registry, our settings, the database
-vendor): none opens a broker, result-backend or Redis connection.
+They read configuration only (the Celery app's ``conf`` and task registry): none opens a broker or
+result-backend connection.
 """
 
 from __future__ import annotations
@@ -11,20 +11,12 @@ from typing import Any
 
 from celery import Task, current_app
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
 
-from celery_orphans.conf import settings
+from celery_orphans.checks.message import message
 from celery_orphans.recommended import DEFAULT_VISIBILITY_TIMEOUT, recommended_celery_settings
 from celery_orphans.registry import load_tasks, recoverable_tasks
-from celery_orphans.store import SentinelTarget
+from celery_orphans.worker import handover
 
-TAG = "celery_orphans"
-
-_LEVELS: dict[str, type[checks.Error | checks.Warning | checks.Info]] = {
-    "E": checks.Error,
-    "W": checks.Warning,
-    "I": checks.Info,
-}
 # Transports that keep unacknowledged messages in Redis and restore them after ``visibility_timeout``.
 _REDIS_TRANSPORTS = frozenset({"redis", "rediss", "sentinel"})
 
@@ -77,16 +69,6 @@ _TASK_RULES: dict[str, tuple[str, bool, str, str]] = {
 }
 
 
-def register() -> None:
-    for check in (check_celery, check_tasks, check_settings, check_database):
-        checks.register(check, TAG)
-
-
-def _message(code: str, msg: str, hint: str, obj: object = None) -> checks.CheckMessage:
-    """A message whose level follows the letter of its ID: E, W or I."""
-    return _LEVELS[code[0]](msg, hint=hint, obj=obj, id=f"celery_orphans.{code}")
-
-
 def _scheme(url: str) -> str:
     """``redis`` of ``redis://h/0``, ``db`` of ``db+postgresql://h/db``: the part Celery and kombu resolve."""
     return url.split("://", 1)[0].split("+", 1)[0]
@@ -101,7 +83,7 @@ def _broker_transport(conf: Any) -> str:
     return str(conf.broker_transport or "amqp")
 
 
-def _visibility_timeout(conf: Any) -> float | None:
+def visibility_timeout(conf: Any) -> float | None:
     """When a Redis broker restores an unacknowledged message; ``None`` for brokers that do not."""
     if _broker_transport(conf) not in _REDIS_TRANSPORTS:
         return None
@@ -132,7 +114,7 @@ def _backend_errors(backend: Any) -> list[checks.CheckMessage]:
             return []
         problem = "is not django-celery-results' database backend"
     return [
-        _message(
+        message(
             "E001",
             f"Celery result_backend {_shown(backend)!r} {problem}; orphans are found by their STARTED rows "
             "there.",
@@ -146,7 +128,7 @@ def _conf_messages(conf: Any) -> list[checks.CheckMessage]:
     """E002, E003 and W003: Celery settings recovery needs, or that make it work better."""
     recommended = recommended_celery_settings()
     return [
-        _message(
+        message(
             code,
             f"Celery setting {key} is {getattr(conf, key)!r}: {why}.",
             f"Set {key} = {recommended[key]!r} (CELERY_{key.upper()} in Django settings with the CELERY "
@@ -169,13 +151,13 @@ def _task_messages(
 ) -> list[checks.CheckMessage]:
     """E004, W004 and W001 for one recoverable task, given its effective hard time limit."""
     found = [
-        _message(code, f"Recoverable task {name!r} has {attr}={bad!r}: {why}.", hint, obj=name)
+        message(code, f"Recoverable task {name!r} has {attr}={bad!r}: {why}.", hint, obj=name)
         for attr, (code, bad, why, hint) in _TASK_RULES.items()
         if bool(getattr(task, attr)) is bad
     ]
     if visibility is not None and time_limit and time_limit >= visibility:
         found.append(
-            _message(
+            message(
                 "W001",
                 f"Recoverable task {name!r} may run {time_limit:g}s, not less than the Redis "
                 f"visibility_timeout ({visibility:g}s): the broker will deliver it again while it runs.",
@@ -193,7 +175,7 @@ def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
     # import them as a worker would, or no task would be checked.
     load_tasks(current_app)
     conf = current_app.conf
-    visibility = _visibility_timeout(conf)
+    visibility = visibility_timeout(conf)
     found: list[checks.CheckMessage] = []
     for name in recoverable_tasks(current_app):
         task = current_app.tasks[name]
@@ -201,116 +183,17 @@ def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
     return found
 
 
-def _setting_errors() -> dict[str, checks.CheckMessage]:
-    """E007 for each celery-orphans setting whose value cannot be read, by setting name."""
-    found: dict[str, checks.CheckMessage] = {}
-    for setting in settings.all():
-        try:
-            setting.read()
-        except ImproperlyConfigured as exc:
-            found[setting.name] = _message(
-                "E007",
-                str(exc),
-                f"Fix {setting.django_name} in Django settings (or in the environment, without the setting).",
-            )
-    return found
-
-
-def _redis_url_errors() -> list[checks.CheckMessage]:
-    """E006: without a Redis broker, celery-orphans needs a Redis URL of its own; a sentinel:// one needs
-    its sentinels' addresses and its master's name."""
-    hint = "Set CELERY_ORPHANS_REDIS_URL (Django setting or environment variable) to a redis:// URL."
-    try:
-        url = settings.redis_url()
-        if url.startswith("sentinel://"):
-            hint = (
-                "Write it as sentinel://[:password@]host:port[/db];sentinel://host:port... and set "
-                "CELERY_ORPHANS_REDIS_SENTINEL_MASTER."
-            )
-            SentinelTarget.from_url(url)
-            settings.sentinel_master()
-    except ImproperlyConfigured as exc:
-        return [_message("E006", str(exc), hint)]
-    except ValueError as exc:  # the URL is not shown: it may hold a password
-        return [_message("E006", f"CELERY_ORPHANS_REDIS_URL is not a valid sentinel URL: {exc}.", hint)]
-    return []
-
-
-def _lease_errors(lease: float, heartbeat: float) -> list[checks.CheckMessage]:
-    """E008: a lease must survive a couple of missed heartbeats, or a busy live worker looks dead."""
-    if lease >= 3 * heartbeat:
+def check_pool(**kwargs: Any) -> list[checks.CheckMessage]:
+    """E013: a platform and pool whose processes cannot read their worker's validity (``handover.py``)."""
+    conf = current_app.conf
+    if str(conf.get("worker_pool") or "prefork") not in ("prefork", "processes"):
         return []
-    return [
-        _message(
-            "E008",
-            f"CELERY_ORPHANS_LEASE_SECONDS ({lease:g}) is less than 3 x CELERY_ORPHANS_HEARTBEAT_SECONDS "
-            f"({heartbeat:g}): a live worker that misses two heartbeats would be taken for dead.",
-            f"Set CELERY_ORPHANS_LEASE_SECONDS to at least {3 * heartbeat:g}, or lower the heartbeat.",
-        )
-    ]
-
-
-def _stall_errors(stall: float, inspect_timeout: float) -> list[checks.CheckMessage]:
-    """E009: a sweep waits out the broadcast's replies inside its transaction, which must not be ended."""
-    if stall > inspect_timeout:
+    why = handover.unsupported(str(conf.get("worker_pool_start_method") or "fork"), _broker_transport(conf))
+    if why is None:
         return []
-    return [
-        _message(
-            "E009",
-            f"CELERY_ORPHANS_SWEEP_STALL_SECONDS ({stall:g}) is not above "
-            f"CELERY_ORPHANS_INSPECT_TIMEOUT_SECONDS ({inspect_timeout:g}): a sweep waits for the workers' "
-            "replies inside its transaction, which the database would end whenever a worker is silent.",
-            "Keep CELERY_ORPHANS_SWEEP_STALL_SECONDS well above the inspect timeout (60 by default).",
-        )
-    ]
-
-
-def _window_warnings(window: float, visibility: float | None) -> list[checks.CheckMessage]:
-    """W002: the fence against a stale copy must outlive the broker's restore of that copy."""
-    if visibility is None or window >= visibility:
-        return []
-    return [
-        _message(
-            "W002",
-            f"CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS ({window:g}) is shorter than the Redis "
-            f"visibility_timeout ({visibility:g}): the fence expires before the broker restores a recovered "
-            "task's stale copy, which would then run again.",
-            f"Set CELERY_ORPHANS_ATTEMPTS_WINDOW_SECONDS to at least {visibility:g}.",
-        )
-    ]
-
-
-def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
-    """E006, E007, E008, E009 and W002: the ``CELERY_ORPHANS_*`` settings."""
-    bad = _setting_errors()
-    found = list(bad.values())
-    # The checks below read settings again: skip those whose inputs were just reported.
-    if "REDIS_URL" not in bad:
-        found += _redis_url_errors()
-    if not bad.keys() & {"LEASE_SECONDS", "HEARTBEAT_SECONDS"}:
-        found += _lease_errors(settings.LEASE_SECONDS, settings.HEARTBEAT_SECONDS)
-    if not bad.keys() & {"SWEEP_STALL_SECONDS", "INSPECT_TIMEOUT_SECONDS"}:
-        found += _stall_errors(settings.SWEEP_STALL_SECONDS, settings.INSPECT_TIMEOUT_SECONDS)
-    if "ATTEMPTS_WINDOW_SECONDS" not in bad:
-        found += _window_warnings(settings.ATTEMPTS_WINDOW_SECONDS, _visibility_timeout(current_app.conf))
-    return found
-
-
-def check_database(**kwargs: Any) -> list[checks.CheckMessage]:
-    """I001: only PostgreSQL and MySQL/MariaDB hold the sweep lock in the database itself."""
-    from django.db import connections
-
-    from celery_orphans.sweep.lock import lock_kind
-
-    if lock_kind() != "redis":
-        return []
-    return [
-        _message(
-            "I001",
-            f"The default database is {connections['default'].vendor}, not PostgreSQL or MySQL/MariaDB: the "
-            "sweep lock falls back to a Redis lock with an expiry; a sweep that outlives it may overlap the "
-            "next one.",
-            "Nothing to do if that suits you; a PostgreSQL or MySQL/MariaDB default database holds the lock "
-            "itself instead.",
-        )
-    ]
+    hint = (
+        "Use worker_pool_start_method = 'fork' on Linux, or a broker whose transport has an event loop "
+        "(Redis, RabbitMQ), or another pool (worker_pool = 'threads'); silence the check for workers "
+        "started with -P other than prefork."
+    )
+    return [message("E013", f"celery-orphans cannot protect this worker's tasks: {why}.", hint)]

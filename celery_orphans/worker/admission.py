@@ -1,0 +1,255 @@
+"""The admission of a delivery: the first half of the Request hook (``request.py`` is the other).
+
+It runs in the worker's main process, where the delivered message is at hand. Celery calls
+``Request.revoked()`` just before it hands a task to the pool; that is the last point at which a message
+can be dropped without running it, so the ledger write, the fence check and the duplicate check happen
+there. A first-hand delivery needs neither check, and its write goes out without waiting (``outbox.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import redis
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+from celery_orphans import logs
+from celery_orphans.decision import Evidence
+from celery_orphans.entry import HEADER, Entry
+from celery_orphans.ledger import Ledger
+from celery_orphans.worker import clock, lifecycle, redelivery
+from celery_orphans.worker.admission_line import admit
+from celery_orphans.worker.checkpoint import NO_CHECKPOINT
+from celery_orphans.worker.forfeit import GENERATION
+from celery_orphans.worker.heartbeat import Heartbeat
+from celery_orphans.worker.outbox import outbox
+from celery_orphans.worker.takeover import boot_ledger, entry_for
+
+logger = logs.get(__name__)
+
+# Tasks this process gave back to the broker unrun (``_orphans_hold``): a message given back is often
+# delivered again at once, so only its first hold is a warning.
+_held: set[str] = set()
+_HELD_REMEMBERED = 1000
+
+# The mixin is typed as the Request it is mixed into (recoverable_request_class); it derives from object.
+if TYPE_CHECKING:
+    _Request = Request
+else:
+    _Request = object
+
+
+class AdmittedRequest(_Request):
+    """Records the delivery before it runs, and drops stale and duplicate copies."""
+
+    if TYPE_CHECKING:
+        _already_revoked: bool  # Celery's: revoked() answers True from then on
+
+    _orphans_checked: bool = False
+    _orphans_token: str | None = None
+    _orphans_ledger: Ledger | None = None
+    _orphans_generation: int | None = None  # of the worker boot that admitted it (forfeit.py)
+    # Whether Redis recorded its entry: None while a write sent without waiting is not answered yet.
+    _orphans_recorded: bool | None = None
+
+    def revoked(self) -> bool:
+        if self.id in worker_state.revoked and self._orphans_sent_after_a_lift():
+            # The copy a lifted cap's recovery sent, on a worker that kept the revoke its terminal mark
+            # broadcast: it was down when the lift took that back (its --statedb restored it at boot, or a
+            # peer's did through mingle). The admission below still drops any copy but that one.
+            worker_state.revoked.discard(self.id)
+        if super().revoked():
+            return True
+        if self._orphans_checked:
+            return False
+        self._orphans_checked = True
+        return not self._orphans_admit()
+
+    def _orphans_sent_after_a_lift(self) -> bool:
+        heartbeat = lifecycle.current()
+        if heartbeat is None or not heartbeat.leased or not self.task.acks_late:
+            return False  # no admission would check the fence: the revoke stands
+        meta = (self.message.headers or {}).get(HEADER)
+        return isinstance(meta, dict) and meta.get("evidence") == Evidence.CAP_LIFTED.value
+
+    def _orphans_admit(self) -> bool:
+        heartbeat = lifecycle.current()
+        if heartbeat is None or not self.task.acks_late:
+            return True  # without acks_late the broker has already forgotten the message
+        if not heartbeat.leased:
+            # Fail open. Without a lease (its ledger could not be reached when the worker started, or
+            # the boot was given up and the next lease is not taken yet) nothing could prove this worker
+            # dead, and an entry would name a boot no sweep can see alive. The task runs unrecorded, and
+            # no generation that does not hold is stamped on it, so nothing forfeits it later; but a copy
+            # a recovery has overtaken is still dropped, if Redis answers.
+            return not self._orphans_overtaken(entry_for(self, heartbeat, ""), boot_ledger(heartbeat))
+        # The generation whose boot the entry names is the one stamped on the execution, whatever the
+        # generation is by the time the write is answered.
+        generation = heartbeat.generation
+        token = heartbeat.token()
+        entry = entry_for(self, heartbeat, token)
+        if heartbeat.generation != generation:  # given up meanwhile: the entry names a boot with no lease
+            return self._orphans_admit()
+        lease = heartbeat.keys.lease(heartbeat.node, entry.boot)
+        # The ledger lives where this boot's lease does (its key prefix was read when the lease began),
+        # found once per boot.
+        self._orphans_ledger = current = boot_ledger(heartbeat)
+        # Without waiting only while the lease is being renewed: a ledger that stopped answering or
+        # refuses writes is noticed at the next renewal, and from then on no delivery is stamped with a
+        # generation before its entry is known to be recorded.
+        if redelivery.first_hand(self) and heartbeat.answered:
+            sent = self._orphans_send(current, entry, lease, heartbeat, generation)
+            if sent is not None:
+                return sent
+        releases = outbox.take(current)  # finished tasks' entries, removed by the same call
+        cap, ttl = redelivery.limits(self)
+        try:
+            # Bounded by the boot's lease: a write still on its way when the lease may have lapsed in Redis
+            # is refused there (the boot is gone), so waiting longer could learn nothing; an answer that
+            # comes after the validity ended drops the delivery, which is recovered from its entry.
+            admission = admit(
+                current,
+                entry,
+                releases,
+                heartbeat.valid_until + heartbeat.margin - clock.now(),
+                cap=cap,
+                ttl=ttl,
+                lease=lease,
+                single_flight=redelivery.single_flight(),
+            )
+        except redis.RedisError as exc:
+            outbox.give_back(current, releases)
+            if not isinstance(exc, redis.ResponseError) and not redelivery.first_hand(self):
+                # No answer in time: the write may yet land, and a sweep that reaches Redis may recover
+                # the earlier delivery's entry meanwhile. Run here as well, the task would run twice.
+                return self._orphans_hold(f"its ledger write got no answer in time ({exc})")
+            # Fail open: the task runs, it just cannot be recovered if this worker dies. Redis refused the
+            # write, so no sweep can claim the task from it either.
+            logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
+            return not self._orphans_overtaken(entry, current)
+        if admission.duplicate:
+            redelivery.drop_duplicate(self, admission.previous)
+            self._orphans_drop()
+            return False
+        if admission.writer_gone and not redelivery.first_hand(self):
+            # An earlier delivery's entry, if any, names a boot a sweep may judge gone and recover the task
+            # from while this one would run unprotected (a worker whose first lease lapsed before it was
+            # ready, as on a loaded machine): two runs. The broker keeps the message until it can be
+            # recorded, or a recovery overtakes it.
+            return self._orphans_hold("its boot's lease had lapsed when the write reached Redis")
+        if admission.writer_gone:
+            # Its write reached Redis after the boot's lease had lapsed (held up on the way) and was not
+            # written: no entry names a boot that gave the task up. It runs unprotected, as fail open does
+            # (the script found it not stale).
+            logger.warning(
+                "cannot record %s[%s] in the ledger: its boot's lease lapsed before the write reached "
+                "Redis; it runs unprotected",
+                self.name,
+                self.id,
+            )
+            return True
+        if not admission.admitted:
+            self._orphans_drop_stale(entry)
+            return False
+        if heartbeat.generation != generation:
+            return self._orphans_given_up_meanwhile()
+        self._orphans_recorded = True
+        self._orphans_admitted(token, generation)
+        if (admission.redelivered or admission.limit_reached) and redelivery.handle_counted(self, admission):
+            self._orphans_drop()  # marked terminal: recovered as often as its cap allows
+            return False
+        if not admission.checkpoint:
+            # Goes to the pool process with the request: no checkpoint to remove when the task
+            # ends unless this execution saves one (one Redis call per task saved).
+            self.request_dict[NO_CHECKPOINT] = True
+        return True
+
+    def _orphans_overtaken(self, entry: Entry, current: Ledger) -> bool:
+        """A delivery that runs unrecorded: whether a recovery overtook its copy (then it is dropped). A
+        first delivery cannot have been; a fence Redis does not answer about is taken as not moved."""
+        if redelivery.first_hand(self):
+            return False
+        try:
+            stale = current.stale(entry)
+        except redis.RedisError:
+            return False
+        if stale:
+            self._orphans_drop_stale(entry)
+        return stale
+
+    def _orphans_given_up_meanwhile(self) -> bool:
+        """The entry was recorded, but the boot it names was given up while the write was on its way (the
+        main loop was held up by a ledger link gone dark): that boot's executions are forfeit, and the
+        sweep recovers the task from its entry, once. Run here too, it would run twice: it is dropped."""
+        logger.warning(
+            "dropped %s[%s]: its ledger entry was recorded after its boot was given up, and the task is "
+            "recovered from it",
+            self.name,
+            self.id,
+        )
+        self._orphans_drop()
+        return False
+
+    def _orphans_send(
+        self, current: Ledger, entry: Entry, lease: str, heartbeat: Heartbeat, generation: int
+    ) -> bool | None:
+        """Write a first-hand delivery's entry without waiting: whether it runs, or ``None`` if the entry
+        could not be sent (it is written the slow way, whose client retries)."""
+        try:
+            outbox.admit(current, entry, lease, self._orphans_answered)
+        except redis.RedisError:
+            return None
+        if heartbeat.generation != generation:
+            # The boot was given up while the write was being sent (the outbox's connection was being
+            # made over a link gone dark): whether an entry names that boot decides.
+            outbox.settle()
+            if self._orphans_recorded:
+                return self._orphans_given_up_meanwhile()
+            return True  # nothing recorded (refused, or its boot's lease had lapsed): it runs unprotected
+        self._orphans_admitted(entry.token, generation)
+        if entry.delivery.retries == 0 and entry.delivery.attempt == 0:
+            # The caller's message, never delivered before: no execution of it can have saved one.
+            self.request_dict[NO_CHECKPOINT] = True
+        return True
+
+    def _orphans_answered(self, recorded: bool) -> None:
+        self._orphans_recorded = recorded
+
+    def _orphans_admitted(self, token: str, generation: int) -> None:
+        self._orphans_token = token
+        # The execution holds only while this boot's lease does; the pool process reads it there.
+        self._orphans_generation = self.request_dict[GENERATION] = generation
+
+    def _orphans_drop_stale(self, entry: Entry) -> None:
+        logger.warning(
+            "dropped a stale copy of %s[%s] (recovery attempt %d, retries %d): "
+            "the task was recovered or marked terminal after this copy was sent",
+            self.name,
+            self.id,
+            entry.delivery.attempt,
+            entry.delivery.retries,
+        )
+        self._orphans_drop()
+
+    def _orphans_drop(self) -> None:
+        task_ready(self)
+        self._already_revoked = True
+        self.acknowledge()
+
+    def _orphans_hold(self, why: str) -> bool:
+        """Give a message delivered before back to the broker, unrun, when its admission was not recorded:
+        an earlier delivery's entry may be recovered by a sweep, so it may not run unprotected (a message
+        delivered for the first time does: fail open). It is delivered again, and admitted (or dropped as
+        overtaken) once the ledger answers."""
+        level = logging.DEBUG if self.id in _held else logging.WARNING
+        if len(_held) >= _HELD_REMEMBERED:
+            _held.clear()
+        _held.add(self.id)
+        logger.log(level, "gave %s[%s] back to the broker unrun: %s", self.name, self.id, why)
+        task_ready(self)
+        self._already_revoked = True
+        self.reject(requeue=True)
+        return False

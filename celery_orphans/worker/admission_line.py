@@ -1,0 +1,57 @@
+"""The admission of a delivery that waits for its verdict, bounded by what is left of the boot's validity.
+
+A redelivery, a recovered copy, and every delivery while the last renewal was not answered wait for the
+admit script's verdict before they run. Through the ledger's own client that wait is its socket timeout,
+tried again: against a link gone dark, many seconds in which the worker's main loop fetches nothing,
+acknowledges nothing and answers no broadcast. On a connection of its own (``bounded.py``) the call gives
+up when the boot's lease may lapse in Redis: a write that reaches Redis after that is refused (the script
+finds the boot gone), so a longer wait could learn nothing. A verdict that comes before then but after the
+boot's validity ended is still read: the delivery is dropped, and recovered from its entry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import redis
+
+from celery_orphans import scripts
+from celery_orphans.entry import Entry
+from celery_orphans.ledger import Admission, Ledger, admission
+from celery_orphans.worker.bounded import Line
+
+# How the connection shows in Redis's CLIENT LIST.
+ADMISSION_CLIENT_NAME = "celery-orphans-admission"
+
+_line: Line | None = None
+
+
+def admit(
+    ledger: Ledger,
+    entry: Entry,
+    releases: Sequence[tuple[str, str]],
+    seconds: float,
+    *,
+    cap: int = 0,
+    ttl: int = 0,
+    lease: str = "",
+    single_flight: bool = False,
+) -> Admission:
+    """``ledger.admit_delivery``, answered within ``seconds``; ``redis.TimeoutError`` (or
+    ``redis.ConnectionError``) once they are spent or the connection failed."""
+    global _line
+    if _line is None or _line.client is not ledger.client:
+        _line = Line(ledger.client, ADMISSION_CLIENT_NAME)
+    command = ledger.admit_command(
+        entry, releases, cap=cap, ttl=ttl, lease=lease, single_flight=single_flight
+    )
+    deadline = time.monotonic() + seconds
+    # Never sent twice: a write that reached Redis before its connection failed would find its own entry
+    # and be refused as a duplicate of itself. A failure is a failed write (the delivery runs unprotected).
+    [reply] = _line.execute([command], seconds)
+    if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost its scripts (a restart)
+        [reply] = _line.execute([(b"EVAL", scripts.ADMIT, *command[2:])], deadline - time.monotonic())
+    if isinstance(reply, redis.RedisError):
+        raise reply
+    return admission(entry.task_id, reply)

@@ -1,0 +1,81 @@
+"""Redis calls that never outlast the time their caller gives them.
+
+redis-py's own client waits up to its socket timeout for each try, retries, and retries inside
+``connect()``: against a peer that drops packets without closing (a partition, a frozen proxy, a dead NAT
+entry) that adds up to tens of seconds. A ``Line`` is one connection of its own, made without retries,
+whose every call (connecting included) is bounded by the seconds given: the heartbeat gives what is left of
+its validity, so a renewal never runs past the instant the lease may lapse.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection
+from redis.retry import Retry
+
+# The least time a call is given: below it, not even a healthy Redis on the same machine answers reliably.
+SHORTEST_SECONDS = 0.05
+
+
+class Line:
+    """One connection to the Redis of ``client`` (its URL, credentials, TLS, sentinels), without retries."""
+
+    def __init__(self, client: redis.Redis[bytes], name: str) -> None:
+        self.client = client
+        pool = client.connection_pool
+        # No health check: it would be one more unbounded round trip. A call that fails drops the
+        # connection, and the next one connects anew (through a sentinel, to wherever the master is now).
+        self._conn: AbstractConnection = pool.connection_class(
+            **{
+                **pool.connection_kwargs,
+                "health_check_interval": 0,
+                "retry": Retry(NoBackoff(), 0),
+                "client_name": name,
+            }
+        )
+
+    def execute(self, commands: Sequence[Sequence[Any]], seconds: float) -> list[Any]:
+        """Send ``commands`` at once and read their replies, all within ``seconds`` from now. A reply that
+        is an error is returned as its exception; ``redis.ConnectionError`` or ``redis.TimeoutError``
+        when the time ran out or the connection failed (it is closed then)."""
+        deadline = time.monotonic() + max(seconds, SHORTEST_SECONDS)
+        conn: Any = self._conn  # redis-py's stubs know neither bytes commands nor a read's timeout
+        try:
+            self._bound(conn, deadline)
+            conn.connect()
+            self._bound(conn, deadline)
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies: list[Any] = []
+            for _ in commands:
+                self._bound(conn, deadline)  # the socket's timeout: redis-py 5 reads take no timeout
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except (redis.ConnectionError, redis.TimeoutError):
+            conn.disconnect()
+            raise
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise redis.TimeoutError("no time left for the call")
+        return left
+
+    @classmethod
+    def _bound(cls, conn: Any, deadline: float) -> None:
+        left = cls._left(deadline)
+        conn.socket_timeout = conn.socket_connect_timeout = left
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            sock.settimeout(left)
+
+    def close(self) -> None:
+        self._conn.disconnect()

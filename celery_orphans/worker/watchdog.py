@@ -1,0 +1,76 @@
+"""A prefork pool process ends its own stale execution at the instant its generation stops holding.
+
+The worker's main process may be frozen or blocked (SIGSTOP, a hung call) while its pool processes run on;
+nothing it does can then stop them, and the sweep recovers their tasks once the lease lapses in Redis. So
+each pool process watches the clock from a thread of its own: when the execution it runs no longer holds
+(``forfeit.holds``, read from memory shared with the main process: no I/O), the process kills itself. It kills
+itself, not a pid read elsewhere, so the kill can never hit the next task that process runs.
+
+Nor does an execution outlive the worker's main process. Celery has the kernel kill each prefork pool
+process the moment its main process dies (``PR_SET_PDEATHSIG``); should that not have been done, the
+thread sees its parent gone and kills the process. A dead main process renews no lease, so the execution
+would be forfeit at its instant anyway; dying with it is what lets Redis's word that the main process is
+gone (``presence.py``) be acted on at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
+
+# The generation of the execution this process runs, while it runs; guarded by _lock, so that the kill
+# never lands between the end of one execution and the start of the next.
+_running: int | None = None
+_lock = threading.Lock()
+_watcher: int | None = None  # the pid whose watchdog thread runs
+_parent: int | None = None  # the worker's main process, which made this pool process
+
+
+def _orphaned() -> bool:
+    """Whether the main process that made this pool process is gone."""
+    return _parent is not None and os.getppid() != _parent
+
+
+@contextlib.contextmanager
+def watching(generation: object) -> Iterator[None]:
+    """Run the body of an execution admitted under ``generation``: in a pool process that watches, it is
+    killed at the instant its generation stops holding."""
+    global _running
+    if not isinstance(generation, int) or _watcher != os.getpid():
+        yield
+        return
+    with _lock:
+        _running = generation
+    if _orphaned():  # its main process died before the execution began
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        yield
+    finally:
+        with _lock:
+            _running = None
+
+
+def start(holds: Callable[[int], bool]) -> None:
+    """Watch from now on, in this prefork pool process (``handover.initialize``): ``holds(generation)``
+    says whether an execution of ``generation`` may go on (``forfeit.holds``)."""
+    global _watcher, _running, _lock, _parent
+    if _watcher == os.getpid():
+        return
+    _running, _lock = None, threading.Lock()  # a fork may have caught the parent's held
+    _watcher = os.getpid()
+    _parent = os.getppid()
+    threading.Thread(target=_watch, args=(holds,), name="celery-orphans-watchdog", daemon=True).start()
+
+
+def _watch(holds: Callable[[int], bool]) -> None:
+    stop = threading.Event()  # never set: a sliced wait
+    while not stop.wait(FORFEIT_LATENCY_SECONDS):
+        with _lock:
+            if _running is not None and (not holds(_running) or _orphaned()):
+                # The main process sees this process die, and acknowledges the task as forfeit.
+                os.kill(os.getpid(), signal.SIGKILL)

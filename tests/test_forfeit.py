@@ -1,0 +1,176 @@
+"""A worker's forfeit (worker/forfeit.py), in this process: which executions hold, what a forfeit one
+may no longer do, and which pool processes a forfeit stops. The end-to-end cases, with real workers
+frozen and cut off, are in test_never_twice.py and test_pools.py."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import Retry
+from celery.worker import state
+
+from celery_orphans.exceptions import ExecutionForfeit
+from celery_orphans.worker import clock, forfeit
+
+
+@pytest.fixture(autouse=True)
+def validity() -> Iterator[None]:
+    """Put the shared validity back as it was: it is this process's own."""
+    before = forfeit._validity[0], forfeit._validity[1]
+    yield
+    forfeit._validity[0], forfeit._validity[1] = before
+
+
+def request(generation: object) -> Any:
+    return SimpleNamespace(**{forfeit.GENERATION: generation}, id="t-1", name="demoapp.summarize")
+
+
+def test_an_execution_holds_until_its_generations_renewal_runs_out():
+    forfeit.hold_until(3, clock.now() + 60)
+
+    assert forfeit.holds(3)
+    assert not forfeit.holds(2)  # an older generation: its boot was given up
+    forfeit.hold_until(3, clock.now() - 1)
+    assert not forfeit.holds(3)  # no renewal came in time
+
+
+def test_after_a_withdrawal_every_older_generation_is_forfeit():
+    forfeit.hold_until(3, clock.now() + 60)
+
+    forfeit.withdraw(4)
+
+    assert forfeit.is_forfeit(request(3))
+    assert not forfeit.holds(4)  # the new generation holds once its first renewal is published
+    forfeit.hold_until(4, clock.now() + 60)
+    assert forfeit.holds(4)
+
+
+def test_an_execution_admitted_without_a_generation_is_never_forfeit():
+    forfeit.withdraw(9)
+
+    assert not forfeit.is_forfeit(request(None))
+    assert not forfeit.is_forfeit(request("1"))  # not a generation the main process set
+
+
+def make_task(body: Any) -> Any:
+    app = Celery("forfeit-test", set_as_current=False)
+    name = f"forfeit.body.{uuid.uuid4().hex}"  # one callable per name, as Celery asks
+
+    @app.task(bind=True, name=name)
+    def task(self: Any, *args: Any) -> Any:
+        return body(*args)
+
+    return app.tasks[name]
+
+
+def test_a_guarded_body_of_a_forfeit_execution_may_not_store_its_result():
+    task = make_task(lambda: "result")
+    forfeit.guard_task(task)
+    forfeit.guard_task(task)  # guarding twice wraps once
+    task.push_request(**{forfeit.GENERATION: 1}, id="t-1")
+    try:
+        forfeit.hold_until(1, clock.now() + 60)
+        assert task.run() == "result"
+        forfeit.withdraw(2)
+        with pytest.raises(ExecutionForfeit, match="may not store its result"):
+            task.run()
+        with pytest.raises(ExecutionForfeit, match="may not retry"):
+            task.retry()
+    finally:
+        task.pop_request()
+
+
+def test_a_forfeit_execution_may_not_end_with_an_error_either():
+    def fails() -> None:
+        raise KeyError("boom")
+
+    task = make_task(fails)
+    forfeit.guard_task(task)
+    task.push_request(**{forfeit.GENERATION: 1}, id="t-1")
+    try:
+        forfeit.hold_until(1, clock.now() + 60)
+        with pytest.raises(KeyError):
+            task.run()  # it holds: the error is the task's own
+        forfeit.withdraw(2)
+        with pytest.raises(ExecutionForfeit, match="may not end with KeyError"):
+            task.run()
+    finally:
+        task.pop_request()
+
+
+def test_a_retry_its_check_let_through_ends_as_a_retry_though_the_validity_passes_meanwhile():
+    # retry() sent the retry once its own check passed; the execution must end as Celery's Retry, not as
+    # a forfeit whose entry the sweep would recover beside the retry already sent.
+    def retries() -> None:
+        forfeit.withdraw(2)  # the validity passes between the retry's check and the body's end
+        raise Retry("again")
+
+    task = make_task(retries)
+    forfeit.guard_task(task)
+    task.push_request(**{forfeit.GENERATION: 1}, id="t-1")
+    try:
+        forfeit.hold_until(1, clock.now() + 60)
+        with pytest.raises(Retry):
+            task.run()
+    finally:
+        task.pop_request()
+
+
+class Pool:
+    """Stands in for a pool: records which executions it was asked to kill."""
+
+    def __init__(self, refuse: type[BaseException] | None = None, *, green: bool = True) -> None:
+        self.killed: list[tuple[int, int]] = []
+        self.refuse = refuse
+        self.is_green = green
+
+    def terminate_job(self, pid: int, sig: int) -> None:
+        if self.refuse is not None:
+            raise self.refuse()
+        self.killed.append((pid, sig))
+
+
+@pytest.fixture
+def active(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    running: list[Any] = []
+    monkeypatch.setattr(state, "active_requests", running)
+    return running
+
+
+def test_a_forfeit_kills_the_green_threads_of_its_generation_and_older_only(active):
+    old = SimpleNamespace(_orphans_generation=1, worker_pid=101, name="a", id="1")
+    current = SimpleNamespace(_orphans_generation=2, worker_pid=102, name="b", id="2")
+    unrecorded = SimpleNamespace(worker_pid=103, name="c", id="3")  # not a recoverable task
+    active.extend([old, current, unrecorded])
+    pool = Pool()
+
+    assert forfeit.stop_executions(pool, 1) == 1
+
+    assert pool.killed == [(101, signal.SIGKILL)]
+    assert old._orphans_forfeit is True and not hasattr(current, "_orphans_forfeit")
+
+
+@pytest.mark.parametrize("refusal", [NotImplementedError, ProcessLookupError])
+def test_a_pool_that_cannot_kill_still_counts_the_execution_forfeit(active, refusal):
+    running = SimpleNamespace(_orphans_generation=1, worker_pid=101, name="a", id="1")
+    active.append(running)
+
+    assert forfeit.stop_executions(Pool(refuse=refusal), 1) == 1
+    assert running._orphans_forfeit is True
+
+
+def test_a_forfeit_leaves_prefork_pool_processes_to_kill_themselves(active):
+    # A pid read from active_requests may by now run the next task: the process kills itself (watchdog).
+    old = SimpleNamespace(_orphans_generation=1, worker_pid=101, name="a", id="1")
+    active.append(old)
+    pool = Pool(green=False)
+
+    assert forfeit.stop_executions(pool, 1) == 1
+
+    assert pool.killed == [] and old._orphans_forfeit is True
