@@ -33,10 +33,11 @@ def get(name: str) -> Logger:
 
 
 @contextlib.contextmanager
-def redis_fault_let_go(logger: Logger, what: str, *args: object) -> Iterator[None]:
-    """Run the block; a Redis fault in it is logged as a warning (``could not <what>: <error>``) and let
-    go. For the steps whose failure is harmless: what they do lapses, or the next sweep does it."""
+def redis_fault_let_go(logger: Logger, message: str, *args: object) -> Iterator[None]:
+    """Run the block; a Redis fault in it is logged as a warning (``<message>: <error>``, ``message``
+    formatted with ``args``) and let go. For the steps whose failure is harmless: what they do lapses, or
+    the next sweep does it."""
     try:
         yield
     except redis.RedisError as exc:
-        logger.warning(f"could not {what}: %s", *args, exc)
+        logger.warning(f"{message}: %s", *args, exc)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
-import redis
 from celery import current_app
 from django.apps import apps
 
@@ -243,17 +242,16 @@ def wait_for_rate(user: Any, trigger: Trigger, limit: ratelimit.Limit = RATE_LIM
 
 def _forget_verdicts() -> None:
     """The in-flight page judges again at its next load, so an operator sees what their action did."""
-    try:
+    with logs.redis_fault_let_go(logger, "could not drop the in-flight page's shared verdicts"):
         inflight.forget()
-    except redis.RedisError as exc:
-        logger.warning("could not drop the in-flight page's shared verdicts: %s", exc)
 
 
 def _heartbeat_ages(outcomes: Iterable[Outcome]) -> dict[str, float]:
     """Seconds since each task's owner last renewed its lease: its boot, or the node's newest boot for a
     task without an entry."""
     owners: dict[str, list[tuple[str, str]]] = {}
-    try:
+    heartbeats: dict[tuple[str, str], float] = {}  # none on a fault: no age then
+    with logs.redis_fault_let_go(logger, "could not read the workers' last heartbeats"):
         conn, keys = client(), Keys.current()
         nameless = sorted({o.worker for o in outcomes if o.worker and o.boot is None})
         pipe = conn.pipeline(transaction=False)
@@ -265,9 +263,6 @@ def _heartbeat_ages(outcomes: Iterable[Outcome]) -> dict[str, float]:
                 [(o.worker, o.boot)] if o.boot else [(o.worker, b) for b in boots.get(o.worker, [])]
             )
         heartbeats = leases.last_heartbeats({pair for pairs in owners.values() for pair in pairs}, conn)
-    except redis.RedisError as exc:
-        logger.warning("could not read the workers' last heartbeats: %s", exc)
-        return {}
     now = time.time()
     return {
         task_id: now - max(heartbeats[p] for p in pairs if p in heartbeats)

@@ -295,7 +295,7 @@ def test_a_harmless_redis_fault_is_logged_with_what_failed_and_let_go(caplog):
     ran_on = []
 
     with caplog.at_level(logging.WARNING, logger="celery_orphans"):
-        with logs.redis_fault_let_go(logger, "remove the checkpoint of %s", "t-1"):
+        with logs.redis_fault_let_go(logger, "could not remove the checkpoint of %s", "t-1"):
             raise redis.ConnectionError("Connection refused")
         ran_on.append("after")
 
@@ -306,5 +306,5 @@ def test_a_harmless_redis_fault_is_logged_with_what_failed_and_let_go(caplog):
 def test_any_other_fault_is_not_let_go():
     logger = logs.get("celery_orphans.recovery.executor")
 
-    with pytest.raises(ValueError, match="a bug"), logs.redis_fault_let_go(logger, "do a thing"):
+    with pytest.raises(ValueError, match="a bug"), logs.redis_fault_let_go(logger, "could not do a thing"):
         raise ValueError("a bug")

@@ -176,7 +176,7 @@ class Executor:
         broker.publish(self.app, entry, recovery)
         # The message is out: failing the recovery now would roll back the record that it was sent,
         # which is what the next sweep reads instead of this mark.
-        with logs.redis_fault_let_go(logger, "record that %s was sent again", d.task_id):
+        with logs.redis_fault_let_go(logger, "could not record that %s was sent again", d.task_id):
             self.ledger.mark_sent(d.task_id, entry.token)
         if entry.delivery.delivery_tag:
             self.deliveries.discard([entry.delivery.delivery_tag])
@@ -232,13 +232,13 @@ class Executor:
     def _since_last_heartbeat(self, entry: Entry) -> float | None:
         # The action is done by now: a metric that cannot be measured must not undo it.
         heartbeats: dict[tuple[str, str], float] = {}
-        with logs.redis_fault_let_go(logger, "read the last heartbeat of %s", entry.node):
+        with logs.redis_fault_let_go(logger, "could not read the last heartbeat of %s", entry.node):
             heartbeats = leases.last_heartbeats([(entry.node, entry.boot)], self.ledger.client)
         last = heartbeats.get((entry.node, entry.boot))
         return None if last is None else time.time() - last
 
     def _forget_checkpoint(self, task_id: str) -> None:
-        with logs.redis_fault_let_go(logger, "remove the checkpoint of %s", task_id):
+        with logs.redis_fault_let_go(logger, "could not remove the checkpoint of %s", task_id):
             self._checkpoints.forget(task_id)
 
     def close(self) -> None:

@@ -86,10 +86,8 @@ def _remember(options: Options, report: Report, failure: Outcome | None) -> None
         "error": failure.error or "" if failure else "",
         "decisions": json.dumps([[a.value, r.value, e.value, n] for (a, r, e), n in sorted(decided.items())]),
     }
-    try:
+    with logs.redis_fault_let_go(logger, "could not record the last sweep"):
         client().hset(Keys.current().last_sweep, mapping=record)
-    except redis.RedisError as exc:
-        logger.warning("could not record the last sweep: %s", exc)
 
 
 def last_sweep() -> dict[str, Any] | None:
@@ -216,16 +214,12 @@ def _gather_and_ask(
 
 
 def _count_leases() -> int | None:
-    try:
+    with logs.redis_fault_let_go(logger, "cannot count the leases for the metrics"):
         return leases.count()
-    except redis.RedisError as exc:
-        logger.warning("cannot count the leases for the metrics: %s", exc)
-        return None
+    return None
 
 
 def _forget_lapsed_boots(nodes: set[str]) -> None:
     # After the actions, which read the last heartbeat of the boots they judged.
-    try:
+    with logs.redis_fault_let_go(logger, "could not forget lapsed worker boots"):
         leases.fresh_boots(nodes, prune=True)
-    except redis.RedisError as exc:
-        logger.warning("could not forget lapsed worker boots: %s", exc)

@@ -11,9 +11,9 @@ still runs as before.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
-import redis
 from celery import Celery
 
 from celery_orphans import leases, logs, processes
@@ -44,25 +44,21 @@ class Watch:
         self._exits.follow({n: n[2] for n in seen.neighbours if n not in exited})
         for node, boot, left in seen.missing:
             self._follow_presence(node, boot, left)
-        try:
-            gone = [
+        gone: list[str] = []  # none on a fault, even those claimed before it
+        with _unreachable():
+            lapsed = [
                 f"{node} (boot {boot}): its lease lapsed"
                 for node, boot in seen.lapsed
                 if leases.claim_lapsed(node, boot)
             ]
-            gone += [_recorded(n) for n in exited if leases.record_exit(*n)]
-        except redis.RedisError as exc:
-            logger.warning("the watch cannot reach Redis: %s", exc)
-            return
+            gone = lapsed + [_recorded(n) for n in exited if leases.record_exit(*n)]
         self._gone(gone)
 
     def _exited(self, neighbour: Neighbour) -> None:
         """The kernel says the process of ``neighbour`` exited (``processes.Exits``' thread)."""
-        try:
+        recorded = False
+        with _unreachable():
             recorded = leases.record_exit(*neighbour)
-        except redis.RedisError as exc:
-            logger.warning("the watch cannot reach Redis: %s", exc)
-            return
         self._gone([_recorded(neighbour)] if recorded else [])
 
     def _follow_presence(self, node: str, boot: str, left: float) -> None:
@@ -78,11 +74,10 @@ class Watch:
         timer.start()
 
     def _presence_over(self, node: str, boot: str) -> None:
+        recorded = False
         try:
-            recorded = leases.claim_presence_lost(node, boot)
-        except redis.RedisError as exc:
-            logger.warning("the watch cannot reach Redis: %s", exc)
-            recorded = False
+            with _unreachable():
+                recorded = leases.claim_presence_lost(node, boot)
         finally:
             with self._lock:
                 self._missing.pop((node, boot), None)
@@ -113,6 +108,10 @@ class Watch:
 
     def _sweep_once(self) -> None:
         sweep_giving_way("the watch's sweep", lambda: Options(trigger=Trigger.WATCH), self.app)
+
+
+def _unreachable() -> contextlib.AbstractContextManager[None]:
+    return logs.redis_fault_let_go(logger, "the watch cannot reach Redis")
 
 
 def _recorded(neighbour: Neighbour) -> str:

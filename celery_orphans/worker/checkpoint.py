@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import redis
 from celery import Task
 
 from celery_orphans import logs, registry
@@ -148,18 +147,12 @@ def discard_finished(task: Any, request: Any, task_id: str | None = None) -> Non
         # Celery sent the signal without the request (a hard time limit): assume the oldest
         # execution, so a newer one's checkpoint is kept; the TTL removes it otherwise.
         execution = Execution(0, 0)
-    try:
+    with logs.redis_fault_let_go(logger, "cannot remove the checkpoint of %s[%s]", task.name, task_id):
         outcome = CheckpointStore(client(), Keys.current()).discard(task_id, execution)
-    except redis.RedisError as exc:
-        logger.warning("cannot remove the checkpoint of %s[%s]: %s", task.name, task_id, exc)
-        return
-    if outcome != "discarded":
-        logger.info(
-            "kept the checkpoint of %s[%s]: %s",
-            task.name,
-            task_id,
-            REFUSALS.get(outcome, outcome),
-        )
+        if outcome != "discarded":
+            logger.info(
+                "kept the checkpoint of %s[%s]: %s", task.name, task_id, REFUSALS.get(outcome, outcome)
+            )
 
 
 def on_task_success(sender: Any = None, **kwargs: Any) -> None:

@@ -6,7 +6,6 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-import redis
 from celery import states
 
 from celery_orphans import endings, logs
@@ -38,11 +37,9 @@ def on_task_postrun(
 
 
 def _record(name: str, task_id: str, state: str, node: str, ttl: int) -> None:
-    try:
+    # On a fault its row may be judged orphaned: its worker no longer holds the task.
+    with logs.redis_fault_let_go(logger, "cannot record that %s[%s] ended %s", name, task_id, state):
         endings.write(client(), Keys.current(), task_id, node, ttl)
-    except redis.RedisError as exc:
-        # Its row may then be judged orphaned: its worker no longer holds the task.
-        logger.warning("cannot record that %s[%s] ended %s: %s", name, task_id, state, exc)
 
 
 def _has_started_row(task: Any, request: Any) -> bool:

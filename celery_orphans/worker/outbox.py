@@ -129,16 +129,14 @@ class Outbox:
 
     @staticmethod
     def _send(ledger: Ledger, releases: list[tuple[str, str]]) -> None:
-        try:
+        # On a fault they are left for the sweep, which forgets an entry whose task finished.
+        with logs.redis_fault_let_go(
+            logger,
+            "cannot remove %d finished tasks from the ledger (%s)",
+            len(releases),
+            ", ".join(task_id for task_id, _ in releases[:5]),
+        ):
             ledger.release_many(releases)
-        except redis.RedisError as exc:
-            # Left for the sweep, which forgets an entry whose task finished.
-            logger.warning(
-                "cannot remove %d finished tasks from the ledger (%s): %s",
-                len(releases),
-                ", ".join(task_id for task_id, _ in releases[:5]),
-                exc,
-            )
 
     def _line(self, ledger: Ledger) -> Line:
         with self._lock:

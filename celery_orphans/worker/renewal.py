@@ -87,13 +87,10 @@ class Renewals:
     def drop_each(self, boots: list[str], seconds: float) -> None:
         """Drop the records of each of ``boots``, taking each off the list once dropped; a failure is
         logged, and the rest is left for the next call."""
-        while boots:
-            try:
+        with logs.redis_fault_let_go(logger, "cannot drop the old lease of %s", self.node):
+            while boots:
                 self.drop(boots[0], seconds)
-            except redis.RedisError as exc:
-                logger.warning("cannot drop the old lease of %s: %s", self.node, exc)
-                return
-            boots.pop(0)
+                boots.pop(0)
 
     def _call(self, commands: list[tuple[Any, ...]], seconds: float) -> list[Any]:
         ledger = client()  # per URL: a URL changed (by a test's settings) gets a line of its own

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import redis
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker import state
 from celery.worker.request import Request
@@ -68,11 +67,11 @@ class RecoverableRequestMixin(AdmittedRequest):
         token, self._orphans_token = self._orphans_token, None
         if token is None:
             return
-        try:
+        with logs.redis_fault_let_go(
+            logger, "cannot mark %s[%s] as handed back to the broker", self.name, self.id
+        ):
             outbox.settle()  # the entry was sent without waiting: it is in Redis once answered
             (self._orphans_ledger or ledger_for()).hand_back(self.id, token)
-        except redis.RedisError as exc:
-            logger.warning("cannot mark %s[%s] as handed back to the broker: %s", self.name, self.id, exc)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = getattr(exc_info, "exception", None)
