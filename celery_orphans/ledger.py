@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -31,6 +32,20 @@ if TYPE_CHECKING:
 LOAD_CHUNK = 1000
 
 
+@dataclass(frozen=True)
+class Terms:
+    """What admitting a delivery checks besides the task's fence (``Ledger.admit_delivery``)."""
+
+    # The key of the lease of the boot that writes the entry: while that lease exists, the execution is alive.
+    lease: str = ""
+    # 0: a redelivery of a lost execution is admitted as any copy is. Otherwise it raises the fence's count
+    # (kept ``ttl`` seconds) unless the count had reached ``cap``, which the answer says instead.
+    cap: int = 0
+    ttl: int = 0
+    # A delivery of the same copy as an entry whose boot is alive is refused as a duplicate.
+    single_flight: bool = False
+
+
 class Ledger:
     """Ledger operations against one Redis client and key prefix."""
 
@@ -48,43 +63,21 @@ class Ledger:
         self._lift = client.register_script(scripts.LIFT)
 
     def admit_delivery(
-        self,
-        entry: Entry,
-        releases: Sequence[tuple[str, str]] = (),
-        *,
-        cap: int = 0,
-        ttl: int = 0,
-        lease: str = "",
-        single_flight: bool = False,
+        self, entry: Entry, releases: Sequence[tuple[str, str]] = (), terms: Terms = Terms()
     ) -> Admission:
-        """Record ``entry`` unless its delivery is a stale copy, and say what the call found.
-
-        ``releases`` (``(task_id, token)`` pairs) are removed as ``release`` would, first, in the same call.
-        ``lease`` is the key of the lease of the boot that writes it: while that lease exists, the
-        execution is alive.
-
-        With ``single_flight``, a delivery of the same copy as an entry whose boot is alive is refused
-        as a duplicate. With ``cap`` 0 a redelivery of a lost execution is admitted as any copy is;
-        otherwise it raises the fence's count (kept ``ttl`` seconds) unless the count had reached
-        ``cap``, which the answer says instead.
-        """
-        keys, args = self._admit_call(entry, releases, cap, ttl, lease, single_flight)
+        """Record ``entry`` unless its delivery is a stale copy or ``terms`` refuse it, and say what the
+        call found. ``releases`` (``(task_id, token)`` pairs) are removed as ``release`` would, first, in
+        the same call."""
+        keys, args = self._admit_call(entry, releases, terms)
         return admission(entry.task_id, self._admit(keys=keys, args=args))
 
     def admit_command(
-        self,
-        entry: Entry,
-        releases: Sequence[tuple[str, str]] = (),
-        *,
-        cap: int = 0,
-        ttl: int = 0,
-        lease: str = "",
-        single_flight: bool = False,
+        self, entry: Entry, releases: Sequence[tuple[str, str]], terms: Terms
     ) -> tuple[Any, ...]:
         """``admit_delivery`` as one ``EVALSHA`` command, for a connection of the caller's own; its reply
         is read by ``admission(entry.task_id, reply)``. Redis answers ``NoScriptError`` if it lost the
         script: the same command with ``EVAL`` and ``scripts.ADMIT`` in place of the first two loads it."""
-        keys, args = self._admit_call(entry, releases, cap, ttl, lease, single_flight)
+        keys, args = self._admit_call(entry, releases, terms)
         return (b"EVALSHA", scripts.ADMIT_SHA, len(keys), *keys, *args)
 
     def send_admit(
@@ -93,7 +86,7 @@ class Ledger:
         """``admit_delivery`` with no cap and no duplicate check, sent on ``conn`` without waiting for the
         answer, which ``admission(entry.task_id, conn.read_response())`` reads later, in the order sent.
         The script must be loaded (``load_scripts``); Redis answers ``NoScriptError`` if it was not."""
-        keys, args = self._admit_call(entry, releases, 0, 0, lease, False)
+        keys, args = self._admit_call(entry, releases, Terms(lease=lease))
         # bytes: redis-py re-encodes and splits a str command name on every call.
         conn.send_command(b"EVALSHA", scripts.ADMIT_SHA, len(keys), *keys, *args)
 
@@ -102,13 +95,7 @@ class Ledger:
         self.client.execute_command("SCRIPT", "LOAD", scripts.ADMIT)
 
     def _admit_call(
-        self,
-        entry: Entry,
-        releases: Sequence[tuple[str, str]],
-        cap: int,
-        ttl: int,
-        lease: str,
-        single_flight: bool,
+        self, entry: Entry, releases: Sequence[tuple[str, str]], terms: Terms
     ) -> tuple[list[str], list[Any]]:
         d = entry.delivery
         keys = [
@@ -125,10 +112,10 @@ class Ledger:
             entry.token,
             entry.sealed(),
             entry.recorded_at,
-            cap,
-            ttl,
-            lease,
-            1 if single_flight else 0,
+            terms.cap,
+            terms.ttl,
+            terms.lease,
+            1 if terms.single_flight else 0,
             self.keys.boots(entry.node),
             entry.boot,
             *(value for task_id, token in releases for value in (token, task_id)),

@@ -14,7 +14,7 @@ from celery_orphans import scripts
 from celery_orphans.entry import (
     Entry,
 )
-from celery_orphans.ledger import Admission, Fence, Ledger
+from celery_orphans.ledger import Admission, Fence, Ledger, Terms
 from celery_orphans.recovery.claims import ALL_RETRIES
 from celery_orphans.scripts import ClaimMode
 from celery_orphans.store import Keys, client
@@ -513,11 +513,12 @@ def test_a_claim_on_an_older_entry_does_not_hold_off_the_one_that_replaced_it(le
 
 # --- a broker's redelivery of an orphan, counted by the admit -------------------------------------
 CAP = 3
+COUNTED = Terms(cap=CAP, ttl=TTL)  # as a worker admits a delivery of a recoverable task
 
 
 def redeliver(ledger: Ledger, e: Entry, releases: list[tuple[str, str]] | None = None) -> Admission:
     """Admit ``e`` as a worker does; the entry it replaced is checked on its own."""
-    return dataclasses.replace(ledger.admit_delivery(e, releases or [], cap=CAP, ttl=TTL), previous=None)
+    return dataclasses.replace(ledger.admit_delivery(e, releases or [], terms=COUNTED), previous=None)
 
 
 def test_a_copy_that_replaces_the_unreleased_entry_of_the_same_copy_counts_as_a_recovery(
@@ -535,12 +536,12 @@ def test_a_copy_that_replaces_the_unreleased_entry_of_the_same_copy_counts_as_a_
 
 def test_a_counted_redelivery_names_the_entry_it_replaced(ledger: Ledger) -> None:
     lost = dataclasses.replace(work_entry("t"), node="celery@dead-host")
-    ledger.admit_delivery(lost, cap=CAP, ttl=TTL)
+    ledger.admit_delivery(lost, terms=COUNTED)
 
-    admission = ledger.admit_delivery(work_entry("t"), cap=CAP, ttl=TTL)
+    admission = ledger.admit_delivery(work_entry("t"), terms=COUNTED)
 
     assert admission.previous == dataclasses.replace(lost, token="")
-    assert ledger.admit_delivery(work_entry("t", retries=1), cap=CAP, ttl=TTL).previous is None
+    assert ledger.admit_delivery(work_entry("t", retries=1), terms=COUNTED).previous is None
 
 
 def test_a_counted_redelivery_stays_the_current_copy_and_is_counted_each_time_it_is_lost(
@@ -713,11 +714,11 @@ def test_after_the_one_recovery_a_lift_allows_a_redelivery_is_at_the_cap_again(l
     ledger.lift("t")
     assert claim(ledger, "t", "recover", token=f"{last.token}~2", attempts=1) == 2
     sent = work_entry("t", attempt=2)
-    assert ledger.admit_delivery(sent, cap=1, ttl=TTL) == Admission(admitted=True, attempts=2)
+    assert ledger.admit_delivery(sent, terms=Terms(cap=1, ttl=TTL)) == Admission(admitted=True, attempts=2)
 
     # Its worker dies and the broker delivers that copy again: the cap the admission applies is the
     # lifted one (2), and it was used: the worker marks it terminal instead of running it.
-    again = ledger.admit_delivery(work_entry("t", attempt=2), cap=1, ttl=TTL)
+    again = ledger.admit_delivery(work_entry("t", attempt=2), terms=Terms(cap=1, ttl=TTL))
 
     assert (again.admitted, again.attempts, again.limit_reached, again.redelivered) == (True, 2, True, False)
 
@@ -726,12 +727,12 @@ def test_a_lifted_cap_counts_a_redelivery_the_plain_cap_would_stop(
     ledger: Ledger, redis_client: redis.Redis
 ) -> None:
     lost = work_entry("t")
-    ledger.admit_delivery(lost, cap=1, ttl=TTL)
+    ledger.admit_delivery(lost, terms=Terms(cap=1, ttl=TTL))
     redis_client.hset(
         Keys.current().fence("t"), mapping={"attempts": 1, "lifted": 2, "retries": 0, "copy": 0}
     )
 
-    again = ledger.admit_delivery(work_entry("t"), cap=1, ttl=TTL)
+    again = ledger.admit_delivery(work_entry("t"), terms=Terms(cap=1, ttl=TTL))
 
     assert (again.admitted, again.attempts, again.redelivered, again.limit_reached) == (True, 2, True, False)
 
@@ -755,14 +756,14 @@ def test_an_entry_is_never_written_under_a_boot_whose_lease_lapsed(ledger: Ledge
     e = work_entry("t")
     lease = ledger.keys.lease(e.node, e.boot)
 
-    late = ledger.admit_delivery(e, lease=lease)
+    late = ledger.admit_delivery(e, terms=Terms(lease=lease))
 
     assert (late.writer_gone, late.admitted) == (True, False)
     assert not ledger.client.exists(ledger.keys.entry("t"))
 
     ledger.client.set(lease, b"1", px=10_000)
-    assert ledger.admit_delivery(e, lease=lease).admitted
+    assert ledger.admit_delivery(e, terms=Terms(lease=lease)).admitted
     # A record whose last renewal still holds keeps a boot alive as it does for the sweep.
     ledger.client.delete(lease, ledger.keys.entry("t"))
     ledger.client.hset(ledger.keys.boots(e.node), e.boot, f"1:{2**50}")
-    assert ledger.admit_delivery(e, lease=lease).admitted
+    assert ledger.admit_delivery(e, terms=Terms(lease=lease)).admitted

@@ -19,7 +19,7 @@ from celery.worker.state import task_ready
 from celery_orphans import logs
 from celery_orphans.decision import Evidence
 from celery_orphans.entry import HEADER, Entry
-from celery_orphans.ledger import Ledger
+from celery_orphans.ledger import Ledger, Terms
 from celery_orphans.worker import clock, lifecycle, redelivery
 from celery_orphans.worker.admission_line import admit
 from celery_orphans.worker.checkpoint import NO_CHECKPOINT
@@ -114,11 +114,8 @@ class AdmittedRequest(_Request):
                 current,
                 entry,
                 releases,
+                Terms(lease=lease, cap=cap, ttl=ttl, single_flight=redelivery.single_flight()),
                 heartbeat.valid_until + heartbeat.margin - clock.now(),
-                cap=cap,
-                ttl=ttl,
-                lease=lease,
-                single_flight=redelivery.single_flight(),
             )
         except redis.RedisError as exc:
             outbox.give_back(current, releases)

@@ -18,7 +18,7 @@ import redis
 
 from celery_orphans import scripts
 from celery_orphans.entry import Entry
-from celery_orphans.ledger import Admission, Ledger, admission
+from celery_orphans.ledger import Admission, Ledger, Terms, admission
 from celery_orphans.worker.bounded import Line
 
 # How the connection shows in Redis's CLIENT LIST.
@@ -28,24 +28,14 @@ _line: Line | None = None
 
 
 def admit(
-    ledger: Ledger,
-    entry: Entry,
-    releases: Sequence[tuple[str, str]],
-    seconds: float,
-    *,
-    cap: int = 0,
-    ttl: int = 0,
-    lease: str = "",
-    single_flight: bool = False,
+    ledger: Ledger, entry: Entry, releases: Sequence[tuple[str, str]], terms: Terms, seconds: float
 ) -> Admission:
     """``ledger.admit_delivery``, answered within ``seconds``; ``redis.TimeoutError`` (or
     ``redis.ConnectionError``) once they are spent or the connection failed."""
     global _line
     if _line is None or _line.client is not ledger.client:
         _line = Line(ledger.client, ADMISSION_CLIENT_NAME)
-    command = ledger.admit_command(
-        entry, releases, cap=cap, ttl=ttl, lease=lease, single_flight=single_flight
-    )
+    command = ledger.admit_command(entry, releases, terms)
     deadline = time.monotonic() + seconds
     # Never sent twice: a write that reached Redis before its connection failed would find its own entry
     # and be refused as a duplicate of itself. A failure is a failed write (the delivery runs unprotected).

@@ -12,7 +12,7 @@ import redis
 
 from celery_orphans import logs
 from celery_orphans.entry import Entry
-from celery_orphans.ledger import Admission, Ledger
+from celery_orphans.ledger import Admission, Ledger, Terms
 
 if TYPE_CHECKING:
     from redis.connection import AbstractConnection
@@ -69,7 +69,7 @@ class Write:
 def redo(ledger: Ledger, write: Write) -> None:
     """Make ``write`` again the slow way, waiting for its answer: its line was lost or Redis restarted."""
     try:
-        answer = ledger.admit_delivery(write.entry, write.releases, lease=write.lease)
+        answer = ledger.admit_delivery(write.entry, write.releases, Terms(lease=write.lease))
     except redis.RedisError as exc:
         not_recorded(write, exc)
         return
