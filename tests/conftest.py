@@ -20,7 +20,7 @@ from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
 from celery_orphans.worker import lifecycle
 from celery_orphans.worker.heartbeat import Heartbeat
-from tests.helpers import MakeBeat, database_url, wait_for
+from tests.helpers import MakeHeartbeat, database_url, wait_for
 from tests.services import TEST_DATABASE_NAME, MachineRedisGuard, RedisServer, SentinelSet, Vhost
 from tests.workers import WorkerPool
 
@@ -279,7 +279,7 @@ def node() -> str:
 
 
 @pytest.fixture
-def beat(redis_client: redis.Redis) -> Iterator[MakeBeat]:
+def make_heartbeat(redis_client: redis.Redis) -> Iterator[MakeHeartbeat]:
     """Make heartbeats (read the settings in force at the call); every one is stopped afterwards."""
     made: list[Heartbeat] = []
 

@@ -29,7 +29,7 @@ from celery_orphans.store import Keys
 from celery_orphans.worker.heartbeat import Heartbeat
 
 ROOT = Path(__file__).resolve().parent.parent
-MakeBeat = Callable[..., Heartbeat]
+MakeHeartbeat = Callable[..., Heartbeat]
 
 
 def policy_for(name: str, app: Celery | None = None) -> RecoveryPolicy | None:

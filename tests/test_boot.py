@@ -15,7 +15,7 @@ from celery_orphans.store import Keys
 from celery_orphans.sweep import background, boot
 from celery_orphans.sweep.values import Options
 from tests import factories
-from tests.helpers import MakeBeat, lapse
+from tests.helpers import MakeHeartbeat, lapse
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -101,8 +101,10 @@ def test_no_options_means_no_sweep(monkeypatch):
     assert background.sweep_giving_way("boot sweep of w@test", lambda: None, None) is None
 
 
-def test_a_boot_sweep_recovers_what_the_previous_boot_of_its_name_left(redis_client, beat: MakeBeat):
-    old = beat("reborn@test", boot="dead-boot")  # the boot factories.orphan's entries name
+def test_a_boot_sweep_recovers_what_the_previous_boot_of_its_name_left(
+    redis_client, make_heartbeat: MakeHeartbeat
+):
+    old = make_heartbeat("reborn@test", boot="dead-boot")  # the boot factories.orphan's entries name
     old.renew()
     lapse(redis_client, old.node, old.boot)
     task_id = factories.orphan(worker="reborn@test")
@@ -113,8 +115,10 @@ def test_a_boot_sweep_recovers_what_the_previous_boot_of_its_name_left(redis_cli
     assert OrphanEvent.objects.get(task_id=task_id).trigger == "worker_boot"
 
 
-def test_a_boot_sweep_leaves_the_tasks_of_a_live_twin_to_the_regular_sweep(redis_client, beat, caplog):
-    twin = beat("twin@test", boot="dead-boot")  # the boot factories.orphan's entries name
+def test_a_boot_sweep_leaves_the_tasks_of_a_live_twin_to_the_regular_sweep(
+    redis_client, make_heartbeat, caplog
+):
+    twin = make_heartbeat("twin@test", boot="dead-boot")  # the boot factories.orphan's entries name
     twin.start()  # alive: its heartbeat renews its lease
     task_id = factories.orphan(worker="twin@test")
 
@@ -127,11 +131,11 @@ def test_a_boot_sweep_leaves_the_tasks_of_a_live_twin_to_the_regular_sweep(redis
 
 
 def test_the_boot_sweep_leaves_an_earlier_boots_record_for_the_watchs_sweep(
-    monkeypatch, redis_client, beat: MakeBeat
+    monkeypatch, redis_client, make_heartbeat: MakeHeartbeat
 ):
     # The watch's sweep, started at the same moment, judges the earlier boot's tasks within their grace
     # by that record (it says the boot is gone); pruning it first left them for a later sweep.
-    old = beat("reborn@test", boot="dead-boot")
+    old = make_heartbeat("reborn@test", boot="dead-boot")
     old.renew()
     lapse(redis_client, old.node, old.boot)
     monkeypatch.setattr(background, "run", lambda options, app: None)

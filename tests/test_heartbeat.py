@@ -21,15 +21,15 @@ from celery_orphans.conf import settings as orphans_settings
 from celery_orphans.leases import fresh_boots
 from celery_orphans.store import Keys
 from celery_orphans.worker import forfeit, lifecycle
-from tests.helpers import MakeBeat, boots_of, exit_code_of, lease_key, started_on, wait_for
+from tests.helpers import MakeHeartbeat, boots_of, exit_code_of, lease_key, started_on, wait_for
 from tests.services import RedisServer, TcpProxy
 from tests.workers import WorkerPool
 
 
 def test_a_started_heartbeat_writes_its_lease_with_the_lease_expiry(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     heartbeat.start()
 
     lease_ms = orphans_settings.LEASE_SECONDS * 1000
@@ -42,22 +42,24 @@ def test_a_started_heartbeat_writes_its_lease_with_the_lease_expiry(
     assert boots_of(redis_client, node) == {heartbeat.boot}
 
 
-def test_each_boot_gets_an_id_of_its_own(beat: MakeBeat, node: str) -> None:
-    assert beat(node).boot != beat(node).boot
-    assert beat(node, boot="given").boot == "given"
+def test_each_boot_gets_an_id_of_its_own(make_heartbeat: MakeHeartbeat, node: str) -> None:
+    assert make_heartbeat(node).boot != make_heartbeat(node).boot
+    assert make_heartbeat(node, boot="given").boot == "given"
 
 
-def test_entry_tokens_never_repeat_within_a_boot_or_across_boots(beat: MakeBeat, node: str) -> None:
-    first, second = beat(node), beat(node)
+def test_entry_tokens_never_repeat_within_a_boot_or_across_boots(
+    make_heartbeat: MakeHeartbeat, node: str
+) -> None:
+    first, second = make_heartbeat(node), make_heartbeat(node)
     tokens = [first.token() for _ in range(1000)] + [second.token() for _ in range(1000)]
     assert len(set(tokens)) == 2000
     assert all(t.startswith(f"{first.boot}.") for t in tokens[:1000])
 
 
 def test_a_running_heartbeat_keeps_its_lease_alive_over_many_lease_periods(
-    beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     heartbeat.start()
     first = json.loads(redis_client.get(lease_key(heartbeat)))["renewed_at"]
     seen: list[float] = []
@@ -73,9 +75,9 @@ def test_a_running_heartbeat_keeps_its_lease_alive_over_many_lease_periods(
 
 
 def test_stop_drops_the_lease_and_the_boot_at_once(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
-    heartbeat, other = beat(node), beat(node)
+    heartbeat, other = make_heartbeat(node), make_heartbeat(node)
     heartbeat.start()
     other.start()
 
@@ -89,9 +91,9 @@ def test_stop_drops_the_lease_and_the_boot_at_once(
 
 
 def test_stop_without_start_drops_a_lease_written_by_renew(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     assert heartbeat.renew() is True
 
     heartbeat.stop()
@@ -101,9 +103,9 @@ def test_stop_without_start_drops_a_lease_written_by_renew(
 
 
 def test_one_renewal_is_one_round_trip_of_script_calls_alone(
-    beat: MakeBeat, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, node: str
 ) -> None:
-    heartbeat = beat(node)  # not started: only the renewals below talk to Redis
+    heartbeat = make_heartbeat(node)  # not started: only the renewals below talk to Redis
     heartbeat.renew()  # connect first, so the count holds renewals only
     sent: list[bytes] = []
     original = redis.connection.AbstractConnection.send_packed_command
@@ -125,9 +127,9 @@ def test_one_renewal_is_one_round_trip_of_script_calls_alone(
 
 
 def test_a_forked_child_never_renews_its_parents_lease(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
-    heartbeat = beat(node)  # not started: forking a process that runs threads is unsafe
+    heartbeat = make_heartbeat(node)  # not started: forking a process that runs threads is unsafe
     assert heartbeat.renew() is True
     before = redis_client.get(lease_key(heartbeat))
 
@@ -150,7 +152,7 @@ def test_a_forked_child_never_renews_its_parents_lease(
 
 
 def test_take_twice_in_one_process_returns_the_same_heartbeat(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
     first = lifecycle.take(node)
     first.start()
@@ -167,7 +169,7 @@ def test_take_twice_in_one_process_returns_the_same_heartbeat(
     assert boots_of(redis_client, node) == set()
 
 
-def test_no_heartbeat_is_current_before_start(beat: MakeBeat) -> None:
+def test_no_heartbeat_is_current_before_start(make_heartbeat: MakeHeartbeat) -> None:
     lifecycle.stop()
 
     assert lifecycle.current() is None
@@ -175,14 +177,14 @@ def test_no_heartbeat_is_current_before_start(beat: MakeBeat) -> None:
 
 
 def test_renew_survives_redis_being_unreachable_and_warns_once_per_outage(
-    beat: MakeBeat,
+    make_heartbeat: MakeHeartbeat,
     settings: Settings,
     own_clients: None,
     caplog: pytest.LogCaptureFixture,
     redis_client: redis.Redis,
     node: str,
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     caplog.set_level(logging.INFO, logger="celery_orphans.worker.heartbeat")
 
     def logged(level: int) -> list[str]:
@@ -210,14 +212,14 @@ def test_renew_survives_redis_being_unreachable_and_warns_once_per_outage(
 
 
 def test_a_running_heartbeat_outlives_an_outage(
-    beat: MakeBeat,
+    make_heartbeat: MakeHeartbeat,
     short_lease: Settings,
     own_clients: None,
     caplog: pytest.LogCaptureFixture,
     redis_client: redis.Redis,
     node: str,
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     short_lease.CELERY_ORPHANS_REDIS_URL = "redis://127.0.0.1:1/0"
     with caplog.at_level(logging.WARNING, logger="celery_orphans.worker.heartbeat"):
         heartbeat.start()
@@ -245,12 +247,16 @@ def records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
 
 
 def test_while_no_lease_holds_the_tries_back_off_to_one_heartbeat(
-    beat: MakeBeat, settings: Settings, own_clients: None, caplog: pytest.LogCaptureFixture, node: str
+    make_heartbeat: MakeHeartbeat,
+    settings: Settings,
+    own_clients: None,
+    caplog: pytest.LogCaptureFixture,
+    node: str,
 ) -> None:
     settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = 2
     settings.CELERY_ORPHANS_LEASE_SECONDS = 10
     settings.CELERY_ORPHANS_REDIS_URL = UNREACHABLE
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
 
     assert heartbeat.take() is False
     waits = [heartbeat._until_next()]
@@ -266,7 +272,7 @@ def test_while_no_lease_holds_the_tries_back_off_to_one_heartbeat(
 
 
 def test_a_heartbeat_that_cannot_reach_its_ledger_says_so_once_and_takes_its_lease_when_it_answers(
-    beat: MakeBeat,
+    make_heartbeat: MakeHeartbeat,
     settings: Settings,
     own_clients: None,
     caplog: pytest.LogCaptureFixture,
@@ -275,7 +281,7 @@ def test_a_heartbeat_that_cannot_reach_its_ledger_says_so_once_and_takes_its_lea
     node: str,
 ) -> None:
     settings.CELERY_ORPHANS_REDIS_URL = UNREACHABLE
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     tries = []
     write = heartbeat._write
     monkeypatch.setattr(heartbeat, "_write", lambda *a, **kw: tries.append(1) or write(*a, **kw))
@@ -309,9 +315,9 @@ def test_a_heartbeat_that_cannot_reach_its_ledger_says_so_once_and_takes_its_lea
 
 
 def test_the_lease_of_a_heartbeat_taken_at_once_runs_what_waits_for_it_at_once(
-    beat: MakeBeat, node: str
+    make_heartbeat: MakeHeartbeat, node: str
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     assert heartbeat.take() is True
     taken: list[bool] = []
     heartbeat.when_taken(lambda: taken.append(heartbeat.leased))

@@ -14,15 +14,15 @@ from pytest_django import Settings
 from celery_orphans import leases, processes
 from celery_orphans.leases import fresh_boots
 from celery_orphans.store import Keys
-from tests.helpers import MakeBeat, boots_of, lease_key, lease_of_exited_process, wait_for
+from tests.helpers import MakeHeartbeat, boots_of, lease_key, lease_of_exited_process, wait_for
 
 # --- the lease ------------------------------------------------------------------------------------
 
 
 def test_fresh_boots_reports_every_live_boot_under_each_node(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
-    first, second, elsewhere = beat(node), beat(node), beat(f"{node}-2")
+    first, second, elsewhere = make_heartbeat(node), make_heartbeat(node), make_heartbeat(f"{node}-2")
     for heartbeat in (first, second, elsewhere):
         heartbeat.start()
 
@@ -38,9 +38,9 @@ def test_fresh_boots_reports_every_live_boot_under_each_node(
 
 
 def test_a_lease_that_is_not_renewed_lapses_on_its_own(
-    beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
-    stale, live = beat(node), beat(node)
+    stale, live = make_heartbeat(node), make_heartbeat(node)
     stale.renew()  # once, and never again
     live.start()
     assert fresh_boots([node])[node] == {stale.boot, live.boot}
@@ -54,10 +54,10 @@ def test_a_lease_that_is_not_renewed_lapses_on_its_own(
 
 
 def test_a_lapsed_boot_does_not_stay_listed_under_its_node(
-    beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
     short_lease.CELERY_ORPHANS_HEARTBEAT_SECONDS = 60
-    crashed = beat(node)
+    crashed = make_heartbeat(node)
     crashed.renew()  # never stopped: as after SIGKILL
     wait_for(lambda: not fresh_boots([node])[node], what="the lease to lapse")
 
@@ -68,9 +68,9 @@ def test_a_lapsed_boot_does_not_stay_listed_under_its_node(
 
 
 def test_renewals_reads_each_boots_current_lease_value(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     heartbeat.renew()
 
     values = leases.renewals(node, [heartbeat.boot, "never-was"])
@@ -81,9 +81,9 @@ def test_renewals_reads_each_boots_current_lease_value(
 
 
 def test_renewed_within_reports_a_boot_that_keeps_beating(
-    beat: MakeBeat, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, short_lease: Settings, node: str
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     heartbeat.start()
     started = time.monotonic()
 
@@ -92,19 +92,19 @@ def test_renewed_within_reports_a_boot_that_keeps_beating(
 
 
 def test_renewed_within_leaves_out_a_lease_that_stands_still(
-    beat: MakeBeat, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, short_lease: Settings, node: str
 ) -> None:
     short_lease.CELERY_ORPHANS_LEASE_SECONDS = 30
-    frozen = beat(node)  # its lease stays, unrenewed, as a process killed a moment ago leaves it
+    frozen = make_heartbeat(node)  # its lease stays, unrenewed, as a process killed a moment ago leaves it
     frozen.renew()
-    live = beat(node)
+    live = make_heartbeat(node)
     live.start()
 
     assert leases.renewed_within(node, [frozen.boot, live.boot, "never-was"], 1) == {live.boot}
 
 
 def test_renewed_within_does_not_wait_for_a_boot_whose_process_is_gone_from_this_host(
-    beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
     short_lease.CELERY_ORPHANS_LEASE_SECONDS = 30
     pid = lease_of_exited_process(node, "dead")
@@ -161,9 +161,9 @@ def test_renewed_within_waits_out_a_lease_it_cannot_prove_dead(
 
 
 def test_count_is_the_boots_whose_last_renewal_still_holds(
-    beat: MakeBeat, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, short_lease: Settings, node: str
 ) -> None:
-    live, unrenewed, stopped = beat(node), beat(node), beat(f"{node}-2")
+    live, unrenewed, stopped = make_heartbeat(node), make_heartbeat(node), make_heartbeat(f"{node}-2")
     live.start()
     unrenewed.renew()
     stopped.start()

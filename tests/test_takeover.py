@@ -18,7 +18,7 @@ from celery_orphans.models import OrphanEvent
 from celery_orphans.rules import after_pool_loss, after_redelivery
 from celery_orphans.worker import takeover
 from tests import factories
-from tests.helpers import MakeBeat, published_ids
+from tests.helpers import MakeHeartbeat, published_ids
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -42,17 +42,19 @@ def held_request(task_name: str = "demoapp.summarize") -> Any:
 
 
 @pytest.fixture
-def admitted(redis_client, beat: MakeBeat) -> tuple[Any, Any]:
+def admitted(redis_client, make_heartbeat: MakeHeartbeat) -> tuple[Any, Any]:
     """A request whose entry this worker boot wrote, as the Request hook does."""
-    me = beat("takeover@test")
+    me = make_heartbeat("takeover@test")
     me.renew()
     request = held_request()
     takeover.boot_ledger(me).admit_delivery(takeover.entry_for(request, me, request._orphans_token))
     return request, me
 
 
-def test_the_entry_of_a_held_request_names_this_boot_and_keeps_the_message(beat: MakeBeat, redis_client):
-    me = beat("takeover@test")
+def test_the_entry_of_a_held_request_names_this_boot_and_keeps_the_message(
+    make_heartbeat: MakeHeartbeat, redis_client
+):
+    me = make_heartbeat("takeover@test")
     request = held_request()
 
     entry = takeover.entry_for(request, me, "tok-1")

@@ -20,7 +20,7 @@ from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys
 from celery_orphans.sweep.watch import Watch
 from tests.helpers import (
-    MakeBeat,
+    MakeHeartbeat,
     boots_of,
     finishes,
     lease_key,
@@ -40,13 +40,13 @@ def watch_members(redis_client: redis.Redis) -> set[str]:
 
 
 def test_a_renewal_reports_the_boots_whose_lease_lapsed_never_its_own(
-    beat: MakeBeat, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, short_lease: Settings, node: str
 ) -> None:
-    stale = beat(node)
+    stale = make_heartbeat(node)
     stale.renew()  # once, and never again: as after SIGKILL
     wait_for(lambda: not fresh_boots([node], prune=False)[node], what="the lease to lapse")
     seen: list[Seen] = []
-    watcher = beat(f"{node}-watcher", on_renewed=seen.append)
+    watcher = make_heartbeat(f"{node}-watcher", on_renewed=seen.append)
 
     watcher.renew()
     watcher.renew()
@@ -55,9 +55,9 @@ def test_a_renewal_reports_the_boots_whose_lease_lapsed_never_its_own(
 
 
 def test_of_the_workers_that_saw_a_lease_lapse_one_claims_it_and_none_claims_a_live_one(
-    beat: MakeBeat, redis_client: redis.Redis, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, short_lease: Settings, node: str
 ) -> None:
-    stale, live = beat(node), beat(node)
+    stale, live = make_heartbeat(node), make_heartbeat(node)
     stale.renew()
     live.start()
     wait_for(lambda: fresh_boots([node], prune=False)[node] == {live.boot}, what="the lease to lapse")
@@ -68,11 +68,11 @@ def test_of_the_workers_that_saw_a_lease_lapse_one_claims_it_and_none_claims_a_l
 
 
 def test_a_renewal_reports_the_other_boots_on_its_machine_with_their_processes(
-    beat: MakeBeat, node: str
+    make_heartbeat: MakeHeartbeat, node: str
 ) -> None:
     pid = lease_of_exited_process(node, "gone")
     seen: list[Seen] = []
-    watcher = beat(f"{node}-watcher", on_renewed=seen.append)
+    watcher = make_heartbeat(f"{node}-watcher", on_renewed=seen.append)
 
     watcher.renew()
 
@@ -83,11 +83,11 @@ def test_a_renewal_reports_the_other_boots_on_its_machine_with_their_processes(
 
 
 def test_an_exit_is_recorded_once_and_then_the_boot_is_gone_exited_and_off_the_watch(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
     lease_of_exited_process(node, "gone")
     seen: list[Seen] = []
-    beat(f"{node}-watcher", on_renewed=seen.append).renew()
+    make_heartbeat(f"{node}-watcher", on_renewed=seen.append).renew()
     [(_, _, process)] = seen[0].neighbours
 
     assert [leases.record_exit(node, "gone", process), leases.record_exit(node, "gone", process)] == [
@@ -101,9 +101,9 @@ def test_an_exit_is_recorded_once_and_then_the_boot_is_gone_exited_and_off_the_w
 
 
 def test_a_boot_that_stops_leaves_nothing_behind_to_watch(
-    beat: MakeBeat, redis_client: redis.Redis, node: str
+    make_heartbeat: MakeHeartbeat, redis_client: redis.Redis, node: str
 ) -> None:
-    heartbeat = beat(node)
+    heartbeat = make_heartbeat(node)
     heartbeat.start()
     assert watch_members(redis_client) == {leases.member(node, heartbeat.boot)}
 
@@ -117,13 +117,13 @@ def test_a_boot_that_stops_leaves_nothing_behind_to_watch(
 
 
 def test_a_renewal_without_a_watch_reads_nothing_back(
-    beat: MakeBeat, short_lease: Settings, node: str
+    make_heartbeat: MakeHeartbeat, short_lease: Settings, node: str
 ) -> None:
-    stale = beat(node)
+    stale = make_heartbeat(node)
     stale.renew()
     wait_for(lambda: not fresh_boots([node])[node], what="the lease to lapse")
 
-    assert beat(f"{node}-2")._write(first=True) == Seen()
+    assert make_heartbeat(f"{node}-2")._write(first=True) == Seen()
 
 
 # --- real workers ------------------------------------------------------------------------------------
