@@ -4,6 +4,7 @@ frozen and cut off, are in test_never_twice.py and test_pools.py."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import uuid
 from collections.abc import Iterator
@@ -69,39 +70,40 @@ def make_task(body: Any) -> Any:
     return app.tasks[name]
 
 
-def test_a_guarded_body_of_a_forfeit_execution_may_not_store_its_result():
-    task = make_task(lambda: "result")
+@contextlib.contextmanager
+def guarded(body: Any) -> Iterator[Any]:
+    """A guarded task running ``body`` in an execution of generation 1, which holds."""
+    task = make_task(body)
     forfeit.guard_task(task)
-    forfeit.guard_task(task)  # guarding twice wraps once
     task.push_request(**{forfeit.GENERATION: 1}, id="t-1")
     try:
         forfeit.hold_until(1, clock.now() + 60)
+        yield task
+    finally:
+        task.pop_request()
+
+
+def test_a_guarded_body_of_a_forfeit_execution_may_not_store_its_result():
+    with guarded(lambda: "result") as task:
+        forfeit.guard_task(task)  # guarding twice wraps once
         assert task.run() == "result"
         forfeit.withdraw(2)
         with pytest.raises(ExecutionForfeit, match="may not store its result"):
             task.run()
         with pytest.raises(ExecutionForfeit, match="may not retry"):
             task.retry()
-    finally:
-        task.pop_request()
 
 
 def test_a_forfeit_execution_may_not_end_with_an_error_either():
     def fails() -> None:
         raise KeyError("boom")
 
-    task = make_task(fails)
-    forfeit.guard_task(task)
-    task.push_request(**{forfeit.GENERATION: 1}, id="t-1")
-    try:
-        forfeit.hold_until(1, clock.now() + 60)
+    with guarded(fails) as task:
         with pytest.raises(KeyError):
             task.run()  # it holds: the error is the task's own
         forfeit.withdraw(2)
         with pytest.raises(ExecutionForfeit, match="may not end with KeyError"):
             task.run()
-    finally:
-        task.pop_request()
 
 
 def test_a_retry_its_check_let_through_ends_as_a_retry_though_the_validity_passes_meanwhile():
@@ -111,15 +113,8 @@ def test_a_retry_its_check_let_through_ends_as_a_retry_though_the_validity_passe
         forfeit.withdraw(2)  # the validity passes between the retry's check and the body's end
         raise Retry("again")
 
-    task = make_task(retries)
-    forfeit.guard_task(task)
-    task.push_request(**{forfeit.GENERATION: 1}, id="t-1")
-    try:
-        forfeit.hold_until(1, clock.now() + 60)
-        with pytest.raises(Retry):
-            task.run()
-    finally:
-        task.pop_request()
+    with guarded(retries) as task, pytest.raises(Retry):
+        task.run()
 
 
 class Pool:
@@ -143,16 +138,24 @@ def active(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return running
 
 
-def test_a_forfeit_kills_the_green_threads_of_its_generation_and_older_only(active):
+@pytest.mark.parametrize(
+    ("green", "killed"),
+    [
+        pytest.param(True, [(101, signal.SIGKILL)], id="green-threads-killed"),
+        # A pid read from active_requests may by now run the next task: the process kills itself (watchdog).
+        pytest.param(False, [], id="prefork-pool-processes-left-to-kill-themselves"),
+    ],
+)
+def test_a_forfeit_stops_the_executions_of_its_generation_and_older_only(active, green, killed):
     old = SimpleNamespace(_orphans_generation=1, worker_pid=101, name="a", id="1")
     current = SimpleNamespace(_orphans_generation=2, worker_pid=102, name="b", id="2")
     unrecorded = SimpleNamespace(worker_pid=103, name="c", id="3")  # not a recoverable task
     active.extend([old, current, unrecorded])
-    pool = Pool()
+    pool = Pool(green=green)
 
     assert forfeit.stop_executions(pool, 1) == 1
 
-    assert pool.killed == [(101, signal.SIGKILL)]
+    assert pool.killed == killed
     assert old._orphans_forfeit is True and not hasattr(current, "_orphans_forfeit")
 
 
@@ -163,14 +166,3 @@ def test_a_pool_that_cannot_kill_still_counts_the_execution_forfeit(active, refu
 
     assert forfeit.stop_executions(Pool(refuse=refusal), 1) == 1
     assert running._orphans_forfeit is True
-
-
-def test_a_forfeit_leaves_prefork_pool_processes_to_kill_themselves(active):
-    # A pid read from active_requests may by now run the next task: the process kills itself (watchdog).
-    old = SimpleNamespace(_orphans_generation=1, worker_pid=101, name="a", id="1")
-    active.append(old)
-    pool = Pool(green=False)
-
-    assert forfeit.stop_executions(pool, 1) == 1
-
-    assert pool.killed == [] and old._orphans_forfeit is True

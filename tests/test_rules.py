@@ -261,17 +261,18 @@ def test_a_minimum_age_asked_for_spares_a_younger_task_even_on_a_boot_known_gone
     assert old.action is Action.RECOVER
 
 
-def test_a_task_exactly_as_old_as_the_grace_period_is_judged() -> None:
-    decision = decide(candidate(started_at=NOW - GRACE), SILENT, limits())
+@pytest.mark.parametrize(
+    ("started_at", "grace"),
+    [
+        pytest.param(NOW - GRACE, GRACE, id="exactly-as-old-as-the-grace-period"),
+        pytest.param(NOW, timedelta(0), id="zero-grace-started-this-instant"),
+    ],
+)
+def test_a_task_whose_grace_period_has_ended_is_judged(started_at: datetime, grace: timedelta) -> None:
+    decision = decide(candidate(started_at=started_at), SILENT, limits(grace=grace))
 
     assert decision.action is Action.RECOVER
     assert decision.evidence is Evidence.LEASE_LAPSED
-
-
-def test_zero_grace_judges_a_task_started_this_instant() -> None:
-    decision = decide(candidate(started_at=NOW), SILENT, limits(grace=timedelta(0)))
-
-    assert decision.action is Action.RECOVER
 
 
 # --- decide: alive --------------------------------------------------------------------------------
@@ -378,6 +379,13 @@ def test_a_finished_row_is_forgotten_even_when_it_could_not_be_recovered() -> No
             "5 of 5",
             id="own-lower-cap-wins-over-higher-policy",
         ),
+        pytest.param(
+            {"started_at": OLD},
+            {"max_age": timedelta(minutes=4)},
+            Reason.TOO_OLD,
+            "0:04:00",
+            id="older-than-the-age-limit",
+        ),
     ],
 )
 def test_an_orphan_that_cannot_be_recovered_is_marked_terminal(
@@ -446,28 +454,6 @@ def test_an_orphan_whose_message_is_plain_data_is_recovered(content_type: str) -
     assert decision.action is Action.RECOVER
 
 
-def test_an_orphan_older_than_the_age_limit_is_marked_terminal() -> None:
-    decision = decide(candidate(started_at=OLD), SILENT, limits(max_age=timedelta(minutes=4)))
-
-    assert decision.action is Action.MARK_TERMINAL
-    assert decision.reason is Reason.TOO_OLD
-    assert "0:04:00" in decision.detail
-
-
-@pytest.mark.parametrize(
-    "max_age",
-    [
-        pytest.param(None, id="no-limit"),
-        pytest.param(timedelta(minutes=5), id="exactly-as-old-as-the-limit"),
-        pytest.param(timedelta(days=1), id="younger-than-the-limit"),
-    ],
-)
-def test_an_orphan_within_the_age_limit_is_recovered(max_age: timedelta | None) -> None:
-    decision = decide(candidate(started_at=OLD), SILENT, limits(max_age=max_age))
-
-    assert decision.action is Action.RECOVER
-
-
 @pytest.mark.parametrize(
     ("overrides", "policy_overrides"),
     [
@@ -479,6 +465,11 @@ def test_an_orphan_within_the_age_limit_is_recovered(max_age: timedelta | None) 
         pytest.param({"attempts": 2}, {}, id="one-below-policy-cap"),
         pytest.param({"attempts": 3, "max_attempts": 5}, {}, id="own-higher-cap-wins"),
         pytest.param({"attempts": 4, "max_attempts": 5}, {"max_attempts": 1}, id="own-cap-over-lower-policy"),
+        pytest.param({"started_at": OLD}, {"max_age": None}, id="no-age-limit"),
+        pytest.param(
+            {"started_at": OLD}, {"max_age": timedelta(minutes=5)}, id="exactly-as-old-as-the-age-limit"
+        ),
+        pytest.param({"started_at": OLD}, {"max_age": timedelta(days=1)}, id="younger-than-the-age-limit"),
     ],
 )
 def test_an_orphan_within_its_limits_is_recovered(
