@@ -29,7 +29,12 @@ def worker_init(sender: Any = None, **kwargs: Any) -> None:
         watch.Watch(getattr(sender, "app", None)).seen if settings.ENABLED and settings.WATCH else None
     )
     try:
-        heartbeat = lifecycle.take(node, functools.partial(_stop_executions, sender), on_renewed)
+        heartbeat = lifecycle.take(
+            node,
+            functools.partial(_stop_executions, sender),
+            on_renewed,
+            stoppable=forfeit.stoppable(getattr(sender, "pool_cls", None) or "prefork"),
+        )
     except ImproperlyConfigured as exc:
         logger.error("worker %s runs without a lease: %s", node, exc)
         return

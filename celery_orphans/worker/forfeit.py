@@ -13,6 +13,12 @@ must not finish over the recovered run. Forfeit means:
   checkpoint: ``guard_task`` checks when the body returns or raises, and ``Task.retry`` first;
 - its ledger entry is kept and its message acknowledged, so the task is recovered from the ledger once.
 
+On the solo and threads pools nothing can stop a running execution, so giving it up by the clock would
+only hand its task to another worker while its body runs on. There the instant passing gives nothing up
+by itself: the heartbeat asks Redis at once, and the generation holds again if its lease is still there
+(no sweep can have judged the boot while it is), or is given up if it is gone or Redis cannot say. An
+execution that ends meanwhile waits for that answer (``settled``).
+
 The instant is kept in memory shared with the pool processes (``_validity``), so a pool process checks it
 without a round trip and without waiting for the main process: a worker thawed after SIGSTOP finds its
 executions forfeit whichever of its threads and processes runs first. The memory is made in the main
@@ -25,6 +31,7 @@ import ctypes
 import functools
 import os
 import signal
+import time
 from typing import Any
 
 from billiard.sharedctypes import RawArray
@@ -33,6 +40,7 @@ from celery.exceptions import Retry
 from celery.worker import state
 
 from celery_orphans import logs
+from celery_orphans.conf import settings
 from celery_orphans.exceptions import ExecutionForfeit
 from celery_orphans.worker import clock, watchdog
 
@@ -46,6 +54,32 @@ GENERATION = "celery_orphans_generation"
 # Created when the worker imports its tasks, before the pool forks, so every forked pool process shares
 # it; billiard's, so that it can be handed to a spawned one (its memory is a file billiard passes on).
 _validity: Any = RawArray(ctypes.c_double, 2)
+
+# Whether the instant passing gives the generation up by itself (every pool but solo and threads): set by
+# this process's heartbeat (``validity.Validity``), inherited by a forked pool process.
+_by_clock = True
+SETTLE_POLL_SECONDS = 0.01
+# The pools whose executions run in the worker's own threads, by Celery's names for them and their classes.
+UNSTOPPABLE_POOLS = frozenset(
+    {"solo", "threads", "celery.concurrency.solo:TaskPool", "celery.concurrency.thread:TaskPool"}
+)
+
+
+def stoppable(pool_cls: Any) -> bool:
+    """Whether a worker running ``pool_cls`` (a class or Celery's name for one) can stop a running
+    execution: not on the solo and threads pools, whose executions run in the worker's own threads."""
+    if isinstance(pool_cls, str):  # as named, not imported: a green pool's module needs its event loop
+        return pool_cls not in UNSTOPPABLE_POOLS
+    return (
+        f"{getattr(pool_cls, '__module__', '')}:{getattr(pool_cls, '__qualname__', '')}"
+        not in UNSTOPPABLE_POOLS
+    )
+
+
+def give_up_by_clock(by_clock: bool) -> None:
+    """Whether the instant passing gives a generation up in this process (``stoppable``)."""
+    global _by_clock
+    _by_clock = by_clock
 
 
 def shared() -> Any:
@@ -78,10 +112,22 @@ def holds(generation: int) -> bool:
     return bool(_validity[1] == generation and clock.now() < valid_until)
 
 
+def settled(generation: int, timeout: float) -> bool:
+    """``holds(generation)``; where the clock gives nothing up by itself (``give_up_by_clock``), a
+    generation whose instant passed waits up to ``timeout`` for the heartbeat's answer: held again, or
+    given up."""
+    deadline = clock.now() + timeout
+    while not holds(generation):
+        if _by_clock or _validity[1] != generation or clock.now() >= deadline:
+            return False
+        time.sleep(SETTLE_POLL_SECONDS)
+    return True
+
+
 def is_forfeit(request: Any) -> bool:
     """Whether the execution ``request`` describes was admitted under a generation that no longer holds."""
     generation = getattr(request, GENERATION, None)
-    return isinstance(generation, int) and not holds(generation)
+    return isinstance(generation, int) and not settled(generation, float(settings.LEASE_SECONDS))
 
 
 def refuse_if_forfeit(task: Task[Any, Any], what: str) -> None:

@@ -46,11 +46,23 @@ class Heartbeat:
         boot: str | None = None,
         on_forfeit: Callable[[int], int] | None = None,
         on_renewed: Callable[[leases.Seen], None] | None = None,
+        *,
+        stoppable: bool = True,
     ) -> None:
+        """``stoppable``: whether the worker's pool can stop a running execution (``forfeit.stoppable``)."""
         self.node = node
         # Its records are dropped by the heartbeat's thread, so a sweep need not wait for them to lapse.
         self._given_up: list[str] = []
-        self.validity = Validity(node, boot or uuid.uuid4().hex, on_forfeit, self._given_up.append)
+        self._wake = threading.Event()  # a renewal now: the presence connection was made, or, unless
+        # stoppable, the validity ran out
+        self.validity = Validity(
+            node,
+            boot or uuid.uuid4().hex,
+            on_forfeit,
+            self._given_up.append,
+            stoppable=stoppable,
+            on_expired=self._wake.set,
+        )
         self.pid = os.getpid()
         self._tokens = itertools.count()
         self.interval = settings.HEARTBEAT_SECONDS
@@ -61,8 +73,7 @@ class Heartbeat:
         self.margin = settings.lease_margin()
         self.on_renewed = on_renewed
         self._stop = threading.Event()
-        self._wake = threading.Event()  # a renewal now: the presence connection was made
-        self.presence = Presence(node, self._wake.set) if settings.PRESENCE else None
+        self.presence = Presence(node, self._wake.set, stoppable=stoppable) if settings.PRESENCE else None
         self.renewals.presence = self.presence
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -176,7 +187,7 @@ class Heartbeat:
         if os.getpid() != self.pid:  # a forked child must never keep its parent's lease alive
             self._stop.set()
             return False
-        self.validity.expire()
+        self.validity.tick()
         self.renewals.drop_each(self._given_up, self._time_left())
         boot, generation, held = self.validity.current()
         begun = clock.now()
@@ -211,8 +222,12 @@ class Heartbeat:
     def _time_left(self) -> float:
         """What a Redis call of the heartbeat may take: what is left of this boot's validity (a heartbeat
         while none holds). A slow answer that comes within it still counts; one that would come after it
-        could not, and is not waited for."""
-        return self.valid_until - clock.now() if self.leased else self.interval
+        could not, and is not waited for. Where the clock gives nothing up (``Validity.stoppable``), an
+        answer may come until about the lease's end in Redis: one that finds the lease still holds."""
+        if not self.leased:
+            return self.interval
+        left = self.valid_until - clock.now()
+        return left if self.validity.stoppable else left + self.margin
 
     def _first_taken(self, waited: float) -> None:
         with self._taking:

@@ -23,15 +23,18 @@ def take(
     node: str,
     on_forfeit: Callable[[int], int] | None = None,
     on_renewed: Callable[[leases.Seen], None] | None = None,
+    *,
+    stoppable: bool = True,
 ) -> Heartbeat:
     """Take this process's lease, not yet kept alive (``Heartbeat.take``); ``on_forfeit(generation)``
     stops the executions of a boot given up, ``on_renewed(seen)`` hears what a renewal saw of other
-    boots. Its Redis out of reach, the heartbeat is kept and takes the lease once started and answered;
-    ``ImproperlyConfigured`` (no usable Redis URL) keeps none."""
+    boots, ``stoppable`` says whether its pool can stop a running execution. Its Redis out of reach, the
+    heartbeat is kept and takes the lease once started and answered; ``ImproperlyConfigured`` (no usable
+    Redis URL) keeps none."""
     global _current
     heartbeat = current()
     if heartbeat is None:
-        heartbeat = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed)
+        heartbeat = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed, stoppable=stoppable)
         if heartbeat.take():
             logger.info("lease of %s (boot %s) taken", node, heartbeat.boot)
         _current = heartbeat

@@ -65,29 +65,32 @@ def wait_seconds() -> float:
     return float(settings.HEARTBEAT_SECONDS) + SLACK_SECONDS
 
 
-def early_seconds() -> float:
+def early_seconds(stoppable: bool = True) -> float:
     """How long before its lease's end in Redis this worker's executions are forfeit at the latest: its
     margin (``conf.Settings.lease_margin``) less the clock skew and the forfeit's latency, which it keeps
     as slack. Its presence lost is not judged sooner: a live worker stalled while Redis's end of its
-    connection was closed has stopped its executions by then."""
-    return float(settings.HEARTBEAT_SECONDS)
+    connection was closed has stopped its executions by then. Not at all where its pool cannot stop them
+    (``forfeit.stoppable``): its lease's end alone tells."""
+    return float(settings.HEARTBEAT_SECONDS) if stoppable else 0.0
 
 
 class Presence:
     """The presence connection of one worker process, kept by a thread of its own until ``stop``."""
 
-    def __init__(self, node: str, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, node: str, on_change: Callable[[], None] | None = None, *, stoppable: bool = True
+    ) -> None:
         """``on_change()`` is called from the thread each time the subscription is made: the heartbeat
         renews at once, so that its presence is recorded without waiting for the next beat. A loss wakes
         nothing: the thread subscribes again, and the renewal that follows records it (a renewal woken by
-        the loss would only fail with it when Redis is gone)."""
+        the loss would only fail with it when Redis is gone). ``stoppable``: ``early_seconds``."""
         self.node = node
         self.keys = Keys.current()
         self.channel = self.keys.presence_channel(uuid.uuid4().hex)
         self.on_change = on_change
         self.pid = os.getpid()
         self.wait_ms = int(wait_seconds() * 1000)
-        self.early_ms = int(early_seconds() * 1000)
+        self.early_ms = int(early_seconds(stoppable) * 1000)
         self._conn: Any = None
         self._subscribed = threading.Event()
         self._again = threading.Event()  # the renewal says Redis no longer counts the subscription

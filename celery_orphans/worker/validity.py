@@ -6,6 +6,12 @@ computed when the renewal is sent, not when its reply arrives: a reply that come
 not revive them. At that instant the deadline thread gives them up by the clock alone, without waiting for
 any Redis call, and the pool processes, which read the same instant from shared memory (``forfeit.py``), stop
 their own executions even if this process is frozen.
+
+Where nothing can stop a running execution (the solo and threads pools: ``stoppable=False``), giving it up
+by the clock would only hand its task to another worker while its body runs on. There the instant passing
+asks for a renewal at once (``on_expired``) instead: one that finds the lease still in Redis makes the
+generation hold again (no sweep can judge a boot whose lease is there), and one that finds it gone, or
+cannot reach Redis, gives the generation up.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ class Validity:
     """The boot a worker process runs as, the generation of its executions, and until when they hold.
 
     When a generation is given up, ``stop(generation)`` stops its running executions (and says how many
-    it stopped), and ``given_up(boot)`` hears which boot's records are now to be dropped from Redis."""
+    it stopped), and ``given_up(boot)`` hears which boot's records are now to be dropped from Redis.
+    Unless ``stoppable``, the instant passing calls ``on_expired()`` instead of giving anything up."""
 
     def __init__(
         self,
@@ -34,8 +41,14 @@ class Validity:
         boot: str,
         stop: Callable[[int], int] | None,
         given_up: Callable[[str], None],
+        *,
+        stoppable: bool = True,
+        on_expired: Callable[[], None] | None = None,
     ) -> None:
         self.node = node
+        self.stoppable = stoppable
+        self._on_expired = on_expired
+        forfeit.give_up_by_clock(stoppable)
         self.boot = boot
         self.generation = 1
         self.valid_until = 0.0  # clock.now(); 0: no renewal holds (none yet, or given up since)
@@ -55,11 +68,12 @@ class Validity:
     def extend(self, generation: int, sent_at: float, hold: float) -> bool:
         """A renewal of ``generation`` sent at ``sent_at`` was answered: its executions hold until
         ``sent_at + hold``. ``False``, and nothing extended, if the generation was given up meanwhile or
-        its validity ran out before the answer came (it is given up now)."""
+        its validity ran out before the answer came (it is given up now, unless ``stoppable`` is off: the
+        renewal found the lease still there)."""
         with self._lock:
             if generation != self.generation:
                 return False
-            if not self._expired():
+            if not self.stoppable or not self._expired():
                 self.valid_until = sent_at + hold
                 forfeit.hold_until(generation, self.valid_until)
                 return True
@@ -95,6 +109,15 @@ class Validity:
         """Give the current generation up if its validity ran out; whether it did."""
         return self.lapse(self.generation, "its lease was not renewed in time", if_expired=True)
 
+    def tick(self) -> bool:
+        """What the clock alone does: ``expire()``, or, unless ``stoppable``, ask for a renewal once the
+        validity ran out. Whether the generation was given up."""
+        if self.stoppable:
+            return self.expire()
+        if self._expired() and self._on_expired is not None:
+            self._on_expired()
+        return False
+
     def _expired(self) -> bool:
         return self.valid_until != 0.0 and clock.now() >= self.valid_until
 
@@ -109,7 +132,7 @@ class Validity:
         while not self._stop.wait(FORFEIT_LATENCY_SECONDS):
             if os.getpid() != self._pid:
                 return
-            self.expire()
+            self.tick()
 
     def stop(self) -> None:
         self._stop.set()
