@@ -23,6 +23,7 @@ from django_celery_results.models import TaskResult
 
 from celery_orphans import sweep
 from celery_orphans.decision import Action
+from celery_orphans.exceptions import SweepLocked
 from celery_orphans.models import Trigger
 from celery_orphans.registry import RecoveryPolicy, policy_of
 from celery_orphans.store import Keys
@@ -150,8 +151,17 @@ def started_on(task_id: str, worker: str, timeout: float = 20) -> TaskResult:
 
 
 def sweep_now(**kwargs: object) -> sweep.Report:
-    """One sweep now, with no grace period, as the command would run it."""
-    return sweep.run(sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0, **kwargs))
+    """One sweep now, with no grace period, as the command would run it; while a worker's own sweep (its
+    boot sweep, its watch) holds the lock, once that one is done."""
+    options = sweep.Options(trigger=Trigger.COMMAND, grace_seconds=0, **kwargs)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return sweep.run(options)
+        except SweepLocked:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 def active_on(app: Any, node: str) -> set[str] | None:
