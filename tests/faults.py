@@ -3,7 +3,8 @@
 A guarantee is tested against faults that close connections and against faults that do not, and judged by
 what happened rather than by final states:
 
-- the network: ``tests.services.TcpProxy`` (pass, close, blackhole, delay, one way);
+- the network: ``tests.services.TcpProxy`` (pass, close, close the server's end alone, blackhole, delay,
+  one way), on every connection or only on those that name themselves (``only``);
 - a Redis that refuses writes while it answers reads: ``RedisServer.refuse_writes()``;
 - a worker whose clocks are stepped: ``SteppedClock``, libfaketime for its wall clock, and a small shim
   (``tests/clock_shim``) for its monotonic and boot-time clocks (a suspended host, a paused VM);

@@ -407,12 +407,24 @@ class Mode(enum.Enum):
 
     PASS = "pass"  # forward both ways
     CLOSE = "close"  # close every connection, and each new one at once: a peer that is gone
+    # Close the server's end alone: the client's stays open and hears nothing (a middlebox that dropped
+    # the connection); the client's next write finds it gone and closes its end too.
+    CLOSE_SERVER_END = "close_server_end"
     BLACKHOLE = "blackhole"  # keep every connection open, forward nothing: a partition, a frozen proxy
     DELAY = "delay"  # forward both ways, each chunk ``delay_ms`` late: a slow link
     ONE_WAY = "one_way"  # forward ``direction`` alone, hold the other: an asymmetric partition
 
 
 UP, DOWN = "up", "down"  # client to server, server to client
+
+
+@dataclasses.dataclass(eq=False)
+class _Link:
+    """One connection through a ``TcpProxy``: the client's end, the server's, whether faults meet it."""
+
+    near: socket.socket
+    far: socket.socket
+    chosen: bool
 
 
 class TcpProxy:
@@ -425,17 +437,24 @@ class TcpProxy:
     (``one_way(DOWN)`` the reverse), ``delay(ms)`` makes each chunk late. Bytes a fault holds are not lost:
     TCP would deliver them once the path heals, and so does ``restore()``, in order. ``refused`` holds
     when (``time.monotonic()``) each new connection was closed at once while cut: the client's tries.
+
+    With ``only``, a fault meets only the connections whose client has sent those bytes (a name it gives
+    itself with ``CLIENT SETNAME``), from the moment it sent them; every other connection passes, and new
+    connections are accepted while cut. ``faulted`` counts the connections a fault met.
     """
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, target: int, *, only: bytes | None = None) -> None:
         self.target = target
+        self.only = only
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.listener.getsockname()[1])
         self.mode = Mode.PASS
         self.delay_ms = 0.0
         self.direction = UP
         self.refused: list[float] = []
+        self.faulted = 0
         self._open: set[socket.socket] = set()
+        self._links: list[_Link] = []
         self._changed = threading.Condition()
         threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
 
@@ -450,12 +469,10 @@ class TcpProxy:
         """Switch to ``mode`` at once, for the bytes in flight too."""
         with self._changed:
             self.mode, self.delay_ms, self.direction = mode, delay_ms, direction
-            if mode is Mode.CLOSE:
-                for sock in self._open:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
-                    sock.close()
-                self._open.clear()
+            self._links = [link for link in self._links if {link.near, link.far} & self._open]
+            for link in self._links:
+                if link.chosen:
+                    self._meet(link)
             self._changed.notify_all()
 
     def cut(self) -> None:
@@ -477,13 +494,35 @@ class TcpProxy:
         self.set(Mode.PASS)
 
     def close(self) -> None:
-        self.cut()
+        """Close every connection, chosen or not, and stop accepting."""
+        with self._changed:
+            self.mode = Mode.CLOSE
+            self._shut(*self._open)
+            self._changed.notify_all()
         self.listener.close()
 
-    def _forwards(self, direction: str) -> bool:
-        return self.mode in (Mode.PASS, Mode.DELAY) or (
-            self.mode is Mode.ONE_WAY and self.direction == direction
-        )
+    def _meet(self, link: _Link) -> None:
+        """The fault in force meets ``link``, a chosen connection (under the lock)."""
+        if self.mode is Mode.PASS:
+            return
+        self.faulted += 1
+        if self.mode is Mode.CLOSE:
+            self._shut(link.near, link.far)
+        elif self.mode is Mode.CLOSE_SERVER_END:
+            self._shut(link.far)
+
+    def _shut(self, *socks: socket.socket) -> None:
+        for sock in socks:
+            if sock in self._open:
+                self._open.discard(sock)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def _forwards(self, link: _Link, direction: str) -> bool:
+        if not link.chosen or self.mode in (Mode.PASS, Mode.DELAY):
+            return True
+        return self.mode is Mode.ONE_WAY and self.direction == direction
 
     def _accept(self) -> None:
         while True:
@@ -492,7 +531,7 @@ class TcpProxy:
             except OSError:
                 return  # closed
             with self._changed:
-                if self.mode is Mode.CLOSE:
+                if self.mode is Mode.CLOSE and self.only is None:
                     near.close()
                     self.refused.append(time.monotonic())
                     continue
@@ -501,19 +540,27 @@ class TcpProxy:
                 except OSError:
                     near.close()
                     continue
+                link = _Link(near, far, chosen=self.only is None)
                 self._open |= {near, far}
-            for a, b, direction in ((near, far, UP), (far, near, DOWN)):
-                threading.Thread(target=self._pump, args=(a, b, direction), daemon=True).start()
+                self._links.append(link)
+                if link.chosen:
+                    self._meet(link)
+            threading.Thread(target=self._pump, args=(link, UP), daemon=True).start()
+            threading.Thread(target=self._pump, args=(link, DOWN), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, direction: str) -> None:
+    def _pump(self, link: _Link, direction: str) -> None:
+        source, sink = (link.near, link.far) if direction == UP else (link.far, link.near)
         try:
             while data := source.recv(65536):
                 with self._changed:
+                    if self.only is not None and not link.chosen and direction == UP and self.only in data:
+                        link.chosen = True
+                        self._meet(link)
                     # Held, not dropped, while this direction does not forward; given up if cut meanwhile.
-                    self._changed.wait_for(lambda: self._forwards(direction) or sink not in self._open)
+                    self._changed.wait_for(lambda: self._forwards(link, direction) or sink not in self._open)
                     if sink not in self._open:
                         return
-                    delay = self.delay_ms / 1000 if self.mode is Mode.DELAY else 0.0
+                    delay = self.delay_ms / 1000 if self.mode is Mode.DELAY and link.chosen else 0.0
                 if delay:
                     time.sleep(delay)
                 sink.sendall(data)
@@ -521,10 +568,12 @@ class TcpProxy:
             pass
         finally:
             with self._changed:
-                for sock in (source, sink):
-                    if sock in self._open:
-                        self._open.discard(sock)
-                        sock.close()
+                # An end the proxy closed alone (the server's) leaves the other end open.
+                if source in self._open:
+                    for sock in (source, sink):
+                        if sock in self._open:
+                            self._open.discard(sock)
+                            sock.close()
                 self._changed.notify_all()
 
 

@@ -5,6 +5,7 @@ stopped alone, and the overlap checker's arithmetic."""
 from __future__ import annotations
 
 import re
+import socket
 import time
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +27,7 @@ from tests.faults import (
     quiet,
 )
 from tests.helpers import starts, wait_for
-from tests.services import DOWN, UP, RedisServer, TcpProxy
+from tests.services import DOWN, UP, Mode, RedisServer, TcpProxy
 
 TIMEOUT = 0.3  # the client's socket timeout: how long a fault that closes nothing takes to show
 
@@ -105,6 +106,44 @@ def test_a_delaying_proxy_makes_each_round_trip_late(proxy: TcpProxy) -> None:
     took = time.monotonic() - begun
 
     assert 0.3 <= took < 1.5  # the request and the reply, each 150 ms late
+
+
+def test_a_proxy_told_which_connections_to_fault_lets_every_other_one_pass(redis_client: Any) -> None:
+    proxy = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]), only=b"chosen-one")
+    try:
+        chosen, other = through(proxy), through(proxy)
+        chosen.client_setname("chosen-one")  # from now on the faults meet it
+        assert other.ping()
+
+        proxy.blackhole()
+        with pytest.raises(redis.TimeoutError):
+            chosen.ping()
+        assert other.ping() and through(proxy).ping()  # new connections are accepted and answered
+        proxy.cut()
+        assert through(proxy).client_setname("a-stranger")
+        with pytest.raises(redis.ConnectionError):
+            through(proxy).client_setname("chosen-one")  # closed the moment it names itself
+        assert proxy.faulted == 3  # the chosen connection twice, the one that named itself once
+    finally:
+        proxy.close()
+
+
+def test_a_proxy_closing_the_servers_end_alone_leaves_the_clients_open_and_silent(
+    proxy: TcpProxy, redis_client: Any
+) -> None:
+    client = socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT)
+    client.sendall(b"CLIENT SETNAME half-open\r\n")
+    assert client.recv(64) == b"+OK\r\n"
+
+    proxy.set(Mode.CLOSE_SERVER_END)
+
+    def gone() -> bool:
+        return all(c["name"] != "half-open" for c in redis_client.client_list())
+
+    wait_for(gone, 2, "Redis to see its end closed")
+    with pytest.raises(TimeoutError):
+        client.recv(64)  # no reset, no end of stream: nothing at all
+    client.close()
 
 
 @pytest.mark.parametrize(

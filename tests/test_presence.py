@@ -5,14 +5,10 @@ workers, a real Redis, real signals; the presence link alone goes through a prox
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +21,7 @@ from celery_orphans.models import OrphanEvent
 from celery_orphans.store import Keys
 from celery_orphans.worker.presence import CLIENT_NAME
 from tests.helpers import finishes, ledger_env, started_on, starts, wait_for
+from tests.services import DOWN, UP, Mode, TcpProxy
 from tests.workers import OWN_SWEEPS_ON, process_tree
 
 pytestmark = pytest.mark.worker
@@ -135,130 +132,33 @@ def _state(pid: int) -> str:
 # --- faults on the presence link alone, renewals going on ----------------------------------------------
 
 
-class Fault(enum.Enum):
-    RESET = "reset"  # both ends closed: the worker hears it
-    RESET_REDIS_END = "reset_redis_end"  # Redis's end closed, the worker's held silent (a middlebox)
-    BLACKHOLE = "blackhole"  # nothing forwarded either way
-    DELAY = "delay"  # every chunk 1.5 s late
-    ONE_WAY_UP = "one_way_up"  # the worker's bytes reach Redis, Redis's are held
-    ONE_WAY_DOWN = "one_way_down"  # the reverse
+# Each fault on the presence link alone (``TcpProxy`` with ``only``: the connections that name themselves
+# presence connections with ``CLIENT SETNAME``); every other one, the renewals' among them, passes.
+FAULTS: dict[str, tuple[Mode, dict[str, Any]]] = {
+    "reset": (Mode.CLOSE, {}),  # both ends closed: the worker hears it
+    # Redis's end closed, the worker's held silent (a middlebox)
+    "reset_redis_end": (Mode.CLOSE_SERVER_END, {}),
+    "blackhole": (Mode.BLACKHOLE, {}),  # nothing forwarded either way
+    "delay": (Mode.DELAY, {"delay_ms": 1500}),  # every chunk 1.5 s late
+    "one_way_up": (Mode.ONE_WAY, {"direction": UP}),  # the worker's bytes reach Redis, Redis's are held
+    "one_way_down": (Mode.ONE_WAY, {"direction": DOWN}),  # the reverse
+}
 
 
-class PresenceLink:
-    """A TCP forwarder to Redis that faults only the connections that name themselves presence
-    connections (``CLIENT SETNAME``), and lets every other one, the renewals' among them, pass."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.listener.getsockname()[1])
-        self.fault: Fault | None = None
-        self.faulted = 0  # presence connections the fault met
-        self._pairs: list[dict[str, Any]] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def set(self, fault: Fault | None) -> None:
-        with self._changed:
-            self.fault = fault
-            for pair in self._pairs:
-                if pair["presence"] and not pair["closed"]:
-                    self._apply(pair)
-            self._changed.notify_all()
-
-    def _apply(self, pair: dict[str, Any]) -> None:
-        if self.fault in (Fault.RESET, Fault.RESET_REDIS_END):
-            self.faulted += 1
-            ends = [pair["far"]] if self.fault is Fault.RESET_REDIS_END else [pair["near"], pair["far"]]
-            for sock in ends:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            pair["closed"] = True
-        elif self.fault is not None:
-            self.faulted += 1
-
-    def close(self) -> None:
-        self.listener.close()
-        with self._changed:
-            for pair in self._pairs:
-                for sock in (pair["near"], pair["far"]):
-                    with contextlib.suppress(OSError):
-                        sock.close()
-            self._changed.notify_all()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                near, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                far = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                near.close()
-                continue
-            pair = {"near": near, "far": far, "presence": False, "closed": False}
-            with self._changed:
-                self._pairs.append(pair)
-            threading.Thread(target=self._pump, args=(pair, "up"), daemon=True).start()
-            threading.Thread(target=self._pump, args=(pair, "down"), daemon=True).start()
-
-    def _holds(self, pair: dict[str, Any], direction: str) -> bool:
-        if not pair["presence"] or self.fault in (None, Fault.DELAY, Fault.RESET):
-            return False
-        if self.fault is Fault.RESET_REDIS_END:
-            return True  # the worker's end stays open and silent
-        if self.fault is Fault.ONE_WAY_UP:
-            return direction == "down"
-        if self.fault is Fault.ONE_WAY_DOWN:
-            return direction == "up"
-        return True  # blackhole
-
-    def _pump(self, pair: dict[str, Any], direction: str) -> None:
-        source, sink = (pair["near"], pair["far"]) if direction == "up" else (pair["far"], pair["near"])
-        try:
-            while data := source.recv(65536):
-                with self._changed:
-                    if direction == "up" and CLIENT_NAME.encode() in data and not pair["presence"]:
-                        pair["presence"] = True
-                        if self.fault is not None:
-                            self._apply(pair)
-                    self._changed.wait_for(lambda: not self._holds(pair, direction) or pair["closed"])
-                    if pair["closed"]:
-                        return
-                    delay = 1.5 if pair["presence"] and self.fault is Fault.DELAY else 0.0
-                if delay:
-                    time.sleep(delay)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with self._changed:
-                if not (direction == "down" and self.fault is Fault.RESET_REDIS_END):
-                    for sock in (source, sink):
-                        with contextlib.suppress(OSError):
-                            sock.close()
-                    pair["closed"] = True
-                self._changed.notify_all()
-
-
-@pytest.mark.parametrize("fault", list(Fault), ids=[f.value for f in Fault])
+@pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_live_worker_whose_presence_link_alone_is_faulted_is_never_judged_gone(
-    workers: Any, redis_client: Any, fault: Fault
+    workers: Any, redis_client: Any, fault: str
 ) -> None:
-    link = PresenceLink(int(redis_client.connection_pool.connection_kwargs["port"]))
+    link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]), only=CLIENT_NAME.encode())
     try:
         victim, result = doomed_and_watcher(
-            workers, f"live-{fault.value}", 16, env={"CELERY_ORPHANS_REDIS_URL": link.url()}
+            workers, f"live-{fault}", 16, env={"CELERY_ORPHANS_REDIS_URL": link.url()}
         )
-        link.set(fault)
+        mode, how = FAULTS[fault]
+        link.set(mode, **how)
         assert link.faulted >= 1
         time.sleep(9)  # four renewals of both, three waits of a missing presence
-        link.set(None)
+        link.restore()
         assert result.get(timeout=30) == 3
     finally:
         link.close()
