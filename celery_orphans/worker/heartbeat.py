@@ -277,11 +277,9 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=self.interval + 1)
         try:
-            if os.getpid() != self.pid or not self.leased:  # no lease of this boot to drop
-                return
-            self._drop(self.boot)
-        except redis.RedisError as exc:
-            logger.warning("cannot drop the lease of %s: %s", self.node, exc)
+            with logs.redis_fault_let_go(logger, "cannot drop the lease of %s", self.node):
+                if os.getpid() == self.pid and self.leased:  # else no lease of this boot to drop
+                    self._drop(self.boot)
         finally:
             if self.presence is not None:  # after the lease: its going says nothing to the others then
                 self.presence.stop()
