@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from celery import bootsteps
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
@@ -38,6 +39,9 @@ def worker_init(sender: Any = None, **kwargs: Any) -> None:
     except ImproperlyConfigured as exc:
         logger.error("worker %s runs without a lease: %s", node, exc)
         return
+    steps = getattr(getattr(sender, "app", None), "steps", None)
+    if steps is not None:  # read when the worker's blueprint is made, just after this signal
+        steps["worker"].add(PoolStarted)
     if heartbeat.leased and getattr(sender, "pool_start_method", "fork") != "fork":
         # Its pool processes are spawned, never forked, so the heartbeat's threads may run from now on:
         # they keep the lease through the pool's start, which a spawned pool makes slow.
@@ -49,14 +53,29 @@ def _stop_executions(worker: Any, generation: int) -> int:
     return forfeit.stop_executions(getattr(worker, "pool", None), generation)
 
 
+class PoolStarted(bootsteps.StartStopStep):
+    """A worker bootstep: the heartbeat's threads start the moment the pool has started (a prefork pool
+    has forked all its processes, an embedded Beat its process), before the consumer connects, mingles
+    and subscribes. Until then nothing renews the lease taken at ``worker_init``, and on RabbitMQ
+    messages are admitted under it before the worker says it is ready: a start slower than the lease's
+    validity had them forfeit, and their lease lapse, on arrival."""
+
+    requires = ("celery.worker.components:Pool", "celery.worker.components:Beat")
+
+    def start(self, parent: Any) -> None:
+        heartbeat = lifecycle.current()
+        if heartbeat is not None:
+            heartbeat.start()
+
+
 def worker_before_create_process(sender: Any = None, **kwargs: Any) -> None:
     """The prefork pool is about to make a process: hand it the validity's memory (``handover.py``)."""
     handover.before_create_process(sender)
 
 
 def worker_ready(sender: Any = None, **kwargs: Any) -> None:
-    """Keep the lease alive from now on (the pool has forked), and look for what the previous boot of
-    this node name left running."""
+    """Keep the lease alive from now on, if ``PoolStarted`` has not (a worker made without this
+    app's steps), and look for what the previous boot of this node name left running."""
     heartbeat = lifecycle.current()
     if heartbeat is None:
         return

@@ -1,5 +1,6 @@
-"""This worker process's heartbeat, one a process: taken at ``worker_init``, kept alive from
-``worker_ready``, stopped at ``worker_shutdown``; ``current()`` finds it from anywhere in the process."""
+"""This worker process's heartbeat, one a process: taken at ``worker_init``, kept alive from the
+moment the pool has started (``receivers.PoolStarted``), stopped at ``worker_shutdown``; ``current()``
+finds it from anywhere in the process."""
 
 from __future__ import annotations
 

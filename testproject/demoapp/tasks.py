@@ -18,6 +18,7 @@ from django.conf import settings
 
 import celery_orphans
 from celery_orphans import recoverable
+from demoapp import slow_start  # noqa: F401  (a consumer slowed for tests, when asked)
 
 
 def _redis() -> redis.Redis:
