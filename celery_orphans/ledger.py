@@ -128,6 +128,12 @@ class Ledger:
         d = entry.delivery
         return bool(self._stale(keys=[self.keys.fence(entry.task_id)], args=[d.retries, d.attempt]))
 
+    def stale_command(self, entry: Entry) -> tuple[Any, ...]:
+        """``stale`` as one ``EVAL`` command, for a connection of the caller's own; its reply is truthy
+        when the fence has moved past the copy."""
+        d = entry.delivery
+        return (b"EVAL", scripts.STALE, 1, self.keys.fence(entry.task_id), d.retries, d.attempt)
+
     def hand_back(self, task_id: str, token: str) -> bool:
         """Mark the entry written with ``token`` as handed back to the broker (see ``HAND_BACK``)."""
         return bool(self._hand_back(keys=[self.keys.entry(task_id)], args=[token, time.time()]))
@@ -140,9 +146,19 @@ class Ledger:
         """``release`` for each ``(task_id, token)``, in one call; returns how many entries went."""
         if not releases:
             return 0
+        keys, args = self._release_many_call(releases)
+        return int(self._release_many(keys=keys, args=args))
+
+    def release_many_command(self, releases: list[tuple[str, str]]) -> tuple[Any, ...]:
+        """``release_many`` as one ``EVAL`` command, for a connection of the caller's own; its reply is
+        how many entries went."""
+        keys, args = self._release_many_call(releases)
+        return (b"EVAL", scripts.RELEASE_MANY, len(keys), *keys, *args)
+
+    def _release_many_call(self, releases: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
         keys = [self.keys.entry(task_id) for task_id, _ in releases] + [self.keys.inflight]
         args = [value for task_id, token in releases for value in (token, task_id)]
-        return int(self._release_many(keys=keys, args=args))
+        return keys, args
 
     def claim(
         self,

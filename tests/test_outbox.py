@@ -293,3 +293,46 @@ def test_the_worker_never_waits_behind_the_outboxs_thread_while_the_ledger_is_bl
         proxy.close()
 
     assert took < 0.5, f"the main loop waited {took:.2f} s behind the outbox's thread"
+
+
+@pytest.fixture
+def dark_link(redis_client: redis.Redis) -> Any:
+    """A ledger through a proxy, and the proxy, which the test blackholes and restores."""
+    from tests.services import TcpProxy
+
+    proxy = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
+    dark = Ledger(
+        redis.Redis.from_url(proxy.url(), socket_timeout=3, socket_connect_timeout=3), Keys.current()
+    )
+    yield dark, proxy
+    proxy.close()
+
+
+def test_a_bounded_take_leaves_the_removals_queued_while_an_answer_is_owed_on_a_dark_link(
+    dark_link: Any,
+) -> None:
+    dark, proxy = dark_link
+    outbox = Outbox(delay=60)
+    outbox.admit(dark, work_entry("warm-up"), LEASE)
+    outbox.settle()
+    proxy.blackhole()
+    outbox.admit(dark, work_entry("unanswered"), LEASE)
+    outbox.release(dark, "done", "token")
+
+    assert outbox.take(dark, 0.2) == []  # the removal may not overtake the entry owed before it
+
+    proxy.restore()
+    assert outbox.take(dark, 5) == [("done", "token")]
+
+
+def test_a_bounded_release_now_over_a_dark_link_leaves_the_removal_queued(dark_link: Any) -> None:
+    dark, proxy = dark_link
+    outbox = Outbox(delay=60)
+    outbox.admit(dark, work_entry("warm-up"), LEASE)
+    outbox.settle()
+    proxy.blackhole()
+
+    outbox.release(dark, "done", "token", now=True, seconds=0.2)
+
+    proxy.restore()
+    assert outbox.take(dark, 5) == [("done", "token")]  # for the next write, or the thread, to carry

@@ -20,7 +20,7 @@ from celery_orphans import logs
 from celery_orphans.decision import Evidence
 from celery_orphans.entry import HEADER, Entry
 from celery_orphans.ledger import Ledger, Terms
-from celery_orphans.worker import clock, lifecycle, redelivery
+from celery_orphans.worker import admission_line, clock, lifecycle, redelivery
 from celery_orphans.worker.admission_line import admit
 from celery_orphans.worker.checkpoint import NO_CHECKPOINT
 from celery_orphans.worker.forfeit import GENERATION
@@ -85,7 +85,8 @@ class AdmittedRequest(_Request):
             # dead, and an entry would name a boot no sweep can see alive. The task runs unrecorded, and
             # no generation that does not hold is stamped on it, so nothing forfeits it later; but a copy
             # a recovery has overtaken is still dropped, if Redis answers.
-            return not self._orphans_overtaken(entry_for(self, heartbeat, ""), boot_ledger(heartbeat))
+            entry = entry_for(self, heartbeat, "")
+            return not self._orphans_overtaken(entry, boot_ledger(heartbeat), heartbeat.time_left())
         # The generation whose boot the entry names is the one stamped on the execution, whatever the
         # generation is by the time the write is answered.
         generation = heartbeat.generation
@@ -104,7 +105,8 @@ class AdmittedRequest(_Request):
             sent = self._orphans_send(current, entry, lease, heartbeat, generation)
             if sent is not None:
                 return sent
-        releases = outbox.take(current)  # finished tasks' entries, removed by the same call
+        # Finished tasks' entries, removed by the same call; none if the answers owed before them are late.
+        releases = outbox.take(current, heartbeat.time_left())
         cap, ttl = redelivery.limits(self)
         try:
             # Bounded by the boot's lease: a write still on its way when the lease may have lapsed in Redis
@@ -126,7 +128,7 @@ class AdmittedRequest(_Request):
             # Fail open: the task runs, it just cannot be recovered if this worker dies. Redis refused the
             # write, so no sweep can claim the task from it either.
             logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
-            return not self._orphans_overtaken(entry, current)
+            return not self._orphans_overtaken(entry, current, heartbeat.time_left())
         if admission.duplicate:
             redelivery.drop_duplicate(self, admission.previous)
             self._orphans_drop()
@@ -164,13 +166,14 @@ class AdmittedRequest(_Request):
             self.request_dict[NO_CHECKPOINT] = True
         return True
 
-    def _orphans_overtaken(self, entry: Entry, current: Ledger) -> bool:
+    def _orphans_overtaken(self, entry: Entry, current: Ledger, seconds: float) -> bool:
         """A delivery that runs unrecorded: whether a recovery overtook its copy (then it is dropped). A
-        first delivery cannot have been; a fence Redis does not answer about is taken as not moved."""
+        first delivery cannot have been; a fence Redis does not answer about within ``seconds`` (what is
+        left of the boot's validity, a heartbeat while none holds) is taken as not moved."""
         if redelivery.first_hand(self):
             return False
         try:
-            stale = current.stale(entry)
+            stale = admission_line.stale(current, entry, seconds)
         except redis.RedisError:
             return False
         if stale:

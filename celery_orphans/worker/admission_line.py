@@ -1,4 +1,8 @@
-"""The admission of a delivery that waits for its verdict, bounded by what is left of the boot's validity.
+"""The ledger calls the worker's main loop waits for, each bounded by what is left of the boot's validity.
+
+The admission of a delivery that waits for its verdict, the fence read of one that runs without a
+recorded entry (``stale``), and the removal of a finished task's entry that must go before the next task
+(``release_many``, for the outbox).
 
 A redelivery, a recovered copy, and every delivery while the last renewal was not answered wait for the
 admit script's verdict before they run. Through the ledger's own client that wait is its socket timeout,
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 
@@ -32,16 +37,39 @@ def admit(
 ) -> Admission:
     """``ledger.admit_delivery``, answered within ``seconds``; ``redis.TimeoutError`` (or
     ``redis.ConnectionError``) once they are spent or the connection failed."""
-    global _line
-    if _line is None or _line.client is not ledger.client:
-        _line = Line(ledger.client, ADMISSION_CLIENT_NAME)
+    line = _line_to(ledger)
     command = ledger.admit_command(entry, releases, terms)
     deadline = time.monotonic() + seconds
     # Never sent twice: a write that reached Redis before its connection failed would find its own entry
     # and be refused as a duplicate of itself. A failure is a failed write (the delivery runs unprotected).
-    [reply] = _line.execute([command], seconds)
+    [reply] = line.execute([command], seconds)
     if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost its scripts (a restart)
-        [reply] = _line.execute([(b"EVAL", scripts.ADMIT, *command[2:])], deadline - time.monotonic())
+        [reply] = line.execute([(b"EVAL", scripts.ADMIT, *command[2:])], deadline - time.monotonic())
     if isinstance(reply, redis.RedisError):
         raise reply
     return admission(entry.task_id, reply)
+
+
+def stale(ledger: Ledger, entry: Entry, seconds: float) -> bool:
+    """``ledger.stale(entry)``, answered within ``seconds``; ``redis.RedisError`` as ``admit``."""
+    return bool(_call(ledger, ledger.stale_command(entry), seconds))
+
+
+def release_many(ledger: Ledger, releases: list[tuple[str, str]], seconds: float) -> int:
+    """``ledger.release_many(releases)``, answered within ``seconds``; ``redis.RedisError`` as ``admit``.
+    A removal is made only while its entry carries its token: one sent again after a failure is harmless."""
+    return int(_call(ledger, ledger.release_many_command(releases), seconds)) if releases else 0
+
+
+def _call(ledger: Ledger, command: tuple[Any, ...], seconds: float) -> Any:
+    [reply] = _line_to(ledger).execute([command], seconds)
+    if isinstance(reply, redis.RedisError):
+        raise reply
+    return reply
+
+
+def _line_to(ledger: Ledger) -> Line:
+    global _line
+    if _line is None or _line.client is not ledger.client:
+        _line = Line(ledger.client, ADMISSION_CLIENT_NAME)
+    return _line

@@ -188,7 +188,7 @@ class Heartbeat:
             self._stop.set()
             return False
         self.validity.tick()
-        self.renewals.drop_each(self._given_up, self._time_left())
+        self.renewals.drop_each(self._given_up, self.time_left())
         boot, generation, held = self.validity.current()
         begun = clock.now()
         seen = self._write(boot, first=not held, watching=watching)
@@ -217,9 +217,9 @@ class Heartbeat:
         """Write the lease of ``boot`` (this boot's); what the renewal saw of other boots (nothing unless
         ``watching``), or ``None`` if the lease was not written."""
         limit = WATCH_LIMIT if watching and self.on_renewed is not None else 0
-        return self.renewals.write(boot or self.boot, first=first, limit=limit, seconds=self._time_left())
+        return self.renewals.write(boot or self.boot, first=first, limit=limit, seconds=self.time_left())
 
-    def _time_left(self) -> float:
+    def time_left(self) -> float:
         """What a Redis call of the heartbeat may take: what is left of this boot's validity (a heartbeat
         while none holds). A slow answer that comes within it still counts; one that would come after it
         could not, and is not waited for. Where the clock gives nothing up (``Validity.stoppable``), an
@@ -252,7 +252,7 @@ class Heartbeat:
         self.validity.lapse(self.generation, why)
 
     def _drop(self, boot: str) -> None:
-        self.renewals.drop(boot, self._time_left())
+        self.renewals.drop(boot, self.time_left())
 
     def _run(self) -> None:
         while True:

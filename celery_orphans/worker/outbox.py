@@ -39,6 +39,7 @@ import redis
 from celery_orphans import logs
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Ledger, admission
+from celery_orphans.worker import admission_line
 from celery_orphans.worker.line import Line, Write, check, connect, not_recorded, redo
 
 logger = logs.get(__name__)
@@ -87,23 +88,28 @@ class Outbox:
             raise
         self._nudge()
 
-    def release(self, ledger: Ledger, task_id: str, token: str, *, now: bool = False) -> None:
+    def release(
+        self, ledger: Ledger, task_id: str, token: str, *, now: bool = False, seconds: float | None = None
+    ) -> None:
         """Queue the removal of ``task_id``'s entry if it still carries ``token``; with ``now``, remove it
-        (and whatever else is queued) before returning."""
+        (and whatever else is queued) before returning, within ``seconds`` if given: what Redis has not
+        answered by then is left to the outbox's thread."""
         with self._lock:
             self._ensure_thread()
             self._pending.setdefault(ledger, []).append((task_id, token))
         if now:
-            self.flush()
+            self.flush(seconds)
         else:
             self._nudge()
 
-    def take(self, ledger: Ledger) -> list[tuple[str, str]]:
+    def take(self, ledger: Ledger, seconds: float | None = None) -> list[tuple[str, str]]:
         """The removals queued for ``ledger``, for a ledger write to carry; they are no longer queued.
 
-        Every entry this outbox sent is answered first, so a removal never overtakes its entry.
+        Every entry this outbox sent is answered first, so a removal never overtakes its entry; when those
+        answers do not all come within ``seconds`` (if given), none is taken: they stay queued.
         """
-        self._settle_all()
+        if not self._settle_all(seconds):
+            return []
         with self._lock:
             return self._pending.pop(ledger, [])
 
@@ -118,14 +124,30 @@ class Outbox:
         """Wait for the answer to every entry sent, so each is in Redis (or its failure logged)."""
         self._settle_all()
 
-    def flush(self) -> int:
-        """Settle, then carry out every queued removal now; returns how many were sent."""
-        self._settle_all()
+    def flush(self, seconds: float | None = None) -> int:
+        """Settle, then carry out every queued removal now; returns how many were sent. Given ``seconds``,
+        it waits for Redis no longer, over a bounded connection (``admission_line``), and what was not
+        answered by then stays queued for the outbox's thread."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        if not self._settle_all(seconds):
+            self._nudge()
+            return 0
         with self._lock:
             pending, self._pending = self._pending, {}
         for ledger, releases in pending.items():
-            self._send(ledger, releases)
+            if deadline is None:
+                self._send(ledger, releases)
+            else:
+                self._send_within(ledger, releases, deadline)
         return sum(len(releases) for releases in pending.values())
+
+    def _send_within(self, ledger: Ledger, releases: list[tuple[str, str]], deadline: float) -> None:
+        try:
+            admission_line.release_many(ledger, releases, deadline - time.monotonic())
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.give_back(ledger, releases)  # sent again by the thread: a removal made twice is harmless
+        except redis.RedisError:
+            self._send(ledger, releases)  # a refusal: logged and let go, as the thread would
 
     @staticmethod
     def _send(ledger: Ledger, releases: list[tuple[str, str]]) -> None:
@@ -149,31 +171,45 @@ class Outbox:
                 conn.disconnect()
         return line
 
-    def _settle_all(self) -> None:
-        with self._reading:
+    def _settle_all(self, seconds: float | None = None) -> bool:
+        """Read every answer owed; ``False`` if, given ``seconds``, they did not all come within them (what
+        came is read, the rest stays owed, for the thread)."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        if not self._reading.acquire(
+            timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())
+        ):
+            return False  # the thread waits for them: as long, here, would hold the main loop
+        try:
             with self._lock:
                 lines = list(self._lines.values())  # a line found lost leaves the dict
-            for line in lines:
-                self._settle(line)
+            return all(self._settle(line, deadline) for line in lines)
+        finally:
+            self._reading.release()
 
-    def _settle(self, line: Line) -> None:
-        """Read the answers owed on ``line``, in the order the writes were sent (``_reading`` held)."""
+    def _settle(self, line: Line, deadline: float | None = None) -> bool:
+        """Read the answers owed on ``line``, in the order the writes were sent (``_reading`` held);
+        ``False`` if one had not begun to come by ``deadline``."""
         while True:
             with self._lock:
                 if not line.owed or line.lost:
-                    return
+                    return True
                 write = line.owed[0]
             try:
+                # Waiting for an answer to begin leaves the connection as it was: it is read later.
+                if deadline is not None and not line.conn.can_read(
+                    timeout=max(0.0, deadline - time.monotonic())
+                ):
+                    return False
                 # The connection is closed by _lost alone, which waits for a send under way.
                 reply: Any = line.conn.read_response(disconnect_on_error=False)
             except (redis.ConnectionError, redis.TimeoutError):
                 self._lost(line)
-                return
+                return True
             except redis.ResponseError as exc:
                 reply = exc
             with self._lock:
                 if line.lost:  # by a failed send meanwhile: its writes are made again the slow way
-                    return
+                    return True
                 line.owed.pop(0)
             if isinstance(reply, redis.exceptions.NoScriptError):  # Redis restarted: the slow way loads it
                 redo(line.ledger, write)

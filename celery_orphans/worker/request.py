@@ -27,7 +27,7 @@ from celery.worker.state import task_ready
 from celery_orphans import logs
 from celery_orphans.exceptions import ExecutionForfeit
 from celery_orphans.ledger import ledger_for
-from celery_orphans.worker import forfeit, pool_loss
+from celery_orphans.worker import forfeit, lifecycle, pool_loss
 from celery_orphans.worker.admission import AdmittedRequest
 from celery_orphans.worker.outbox import outbox
 
@@ -58,8 +58,14 @@ class RecoverableRequestMixin(AdmittedRequest):
             return
         # Off the path from this acknowledgement to the next task (see outbox.py), unless no result row
         # will say the task ended: then its entry goes before anything else happens.
+        # Now, bounded as the heartbeat's own calls are: a ledger gone dark holds the main loop no longer.
+        heartbeat = lifecycle.current()
         outbox.release(
-            self._orphans_ledger or ledger_for(), self.id, token, now=bool(self.task.ignore_result)
+            self._orphans_ledger or ledger_for(),
+            self.id,
+            token,
+            now=bool(self.task.ignore_result),
+            seconds=heartbeat.time_left() if heartbeat is not None else None,
         )
 
     def _orphans_hand_back(self) -> None:
