@@ -15,6 +15,7 @@ boot's validity ended is still read: the delivery is dropped, and recovered from
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,9 @@ from celery_orphans.worker.bounded import Line
 ADMISSION_CLIENT_NAME = "celery-orphans-admission"
 
 _line: Line | None = None
+# One call at a time on the line's one connection: on the threads, gevent and eventlet pools a task's
+# acknowledgement, and with it a removal made at once (``release_many``), runs beside the main loop.
+_using = threading.Lock()
 
 
 def admit(
@@ -37,14 +41,13 @@ def admit(
 ) -> Admission:
     """``ledger.admit_delivery``, answered within ``seconds``; ``redis.TimeoutError`` (or
     ``redis.ConnectionError``) once they are spent or the connection failed."""
-    line = _line_to(ledger)
     command = ledger.admit_command(entry, releases, terms)
     deadline = time.monotonic() + seconds
     # Never sent twice: a write that reached Redis before its connection failed would find its own entry
     # and be refused as a duplicate of itself. A failure is a failed write (the delivery runs unprotected).
-    [reply] = line.execute([command], seconds)
+    reply = _execute(ledger, command, seconds)
     if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost its scripts (a restart)
-        [reply] = line.execute([(b"EVAL", scripts.ADMIT, *command[2:])], deadline - time.monotonic())
+        reply = _execute(ledger, (b"EVAL", scripts.ADMIT, *command[2:]), deadline - time.monotonic())
     if isinstance(reply, redis.RedisError):
         raise reply
     return admission(entry.task_id, reply)
@@ -62,10 +65,23 @@ def release_many(ledger: Ledger, releases: list[tuple[str, str]], seconds: float
 
 
 def _call(ledger: Ledger, command: tuple[Any, ...], seconds: float) -> Any:
-    [reply] = _line_to(ledger).execute([command], seconds)
+    reply = _execute(ledger, command, seconds)
     if isinstance(reply, redis.RedisError):
         raise reply
     return reply
+
+
+def _execute(ledger: Ledger, command: tuple[Any, ...], seconds: float) -> Any:
+    """``command``'s reply (an error reply as its exception), within ``seconds``, waiting for the line
+    included."""
+    deadline = time.monotonic() + seconds
+    if not _using.acquire(timeout=max(0.0, seconds)):
+        raise redis.TimeoutError("the ledger's bounded connection stayed busy")
+    try:
+        [reply] = _line_to(ledger).execute([command], deadline - time.monotonic())
+        return reply
+    finally:
+        _using.release()
 
 
 def _line_to(ledger: Ledger) -> Line:
