@@ -3,7 +3,8 @@
 A recovered copy (or a redelivery) may have an earlier delivery's entry in the ledger, which a sweep can
 recover the task from; running it unprotected beside that would run it twice. So when its bounded admission
 (``worker/admission_line.py``) times out, ``AdmittedRequest._orphans_hold`` hands it back to the broker
-(``reject(requeue=True)``), warns once per task, and the broker delivers it again until the ledger answers.
+(``reject(requeue=True)``), warns once per task, and the broker delivers it again until the ledger answers;
+each hand-back after the first waits a little longer, so that one that fails at once is not a tight loop.
 
 The worker's ledger link goes through a proxy that blackholes the admission's own connection alone (it
 names itself ``celery-orphans-admission``), made anew after each timeout, while the heartbeat's connection
@@ -27,11 +28,16 @@ from tests.services import TcpProxy
 pytestmark = pytest.mark.worker
 
 DARK_SECONDS = 6.0  # the link stays dark this long after the copy is sent: several hand-backs
+HEARTBEAT = 0.5  # the suite's CELERY_ORPHANS_HEARTBEAT_SECONDS: the longest wait between hand-backs
 
 
+@pytest.mark.parametrize("fault", ["blackhole", "cut"])
 def test_a_recovered_copy_whose_admission_gets_no_answer_is_handed_back_unrun_then_runs_once(
-    workers: Any, redis_client: Any
+    workers: Any, redis_client: Any, fault: str
 ) -> None:
+    """``blackhole``: each admission waits out its bound. ``cut``: each fails at once, and the hand-backs
+    after the first wait on the event loop, twice as long each time up to a heartbeat, instead of having
+    the broker deliver the copy in a tight loop."""
     from celery import current_app
     from demoapp.tasks import summarize
 
@@ -45,7 +51,7 @@ def test_a_recovered_copy_whose_admission_gets_no_answer_is_handed_back_unrun_th
         result = summarize.apply_async(([2, 3],), {"seconds": 3}, queue="hold")
         started_on(result.id, "doomed-hold@test")
         doomed.kill()
-        proxy.blackhole()  # the admission's connection alone: the heartbeat's and the others go on
+        getattr(proxy, fault)()  # the admission's connection alone: the heartbeat's and the others go on
         current_app.control.add_consumer("hold", destination=["survivor-hold@test"], reply=True, timeout=5)
         sweep_until(result.id, Action.RECOVER)
         sent = time.monotonic()
@@ -58,6 +64,7 @@ def test_a_recovered_copy_whose_admission_gets_no_answer_is_handed_back_unrun_th
         assert starts(result.id) == 1, "the copy ran while its admission got no answer"
         deliveries = log.count(f"Task demoapp.summarize[{result.id}] received")
         assert deliveries >= 2, "handed back, and delivered again"
+        assert deliveries <= 2 * DARK_SECONDS / HEARTBEAT + 8, "handed back in a tight loop"
         warned = [line for line in log.splitlines() if held in line and "WARNING" in line]
         assert len(warned) == 1, "warned once for the task, however often it is handed back"
         assert "gives up its boot" not in log
@@ -72,7 +79,7 @@ def test_a_recovered_copy_whose_admission_gets_no_answer_is_handed_back_unrun_th
     assert starts(result.id) == 2 and finishes(result.id) == 1  # the lost run, and the recovered one once
     assert OrphanEvent.objects.filter(task_id=result.id).count() == 1
     report(
-        "recovered copy, admission link dark",
+        f"recovered copy, admission connection {fault}",
         first_hold_seconds=first_hold,
         dark_seconds=DARK_SECONDS,
         started_after_restore_seconds=ran_after,

@@ -15,8 +15,10 @@ import redis
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.state import task_ready
+from kombu.asynchronous import get_event_loop
 
 from celery_orphans import logs
+from celery_orphans.conf import settings
 from celery_orphans.decision import Evidence
 from celery_orphans.entry import HEADER, Entry
 from celery_orphans.ledger import Ledger, Terms
@@ -30,10 +32,13 @@ from celery_orphans.worker.takeover import boot_ledger, entry_for
 
 logger = logs.get(__name__)
 
-# Tasks this process gave back to the broker unrun (``_orphans_hold``): a message given back is often
-# delivered again at once, so only its first hold is a warning.
-_held: set[str] = set()
+# Tasks this process gave back to the broker unrun (``_orphans_hold``), each with how long its next hand-back
+# waits: a message given back is often delivered again at once, so only its first hold is a warning, and
+# each hand-back after it waits on the event loop twice as long as the last, up to a heartbeat, so that a
+# ledger that fails at once (a refused connection) does not have the broker deliver it in a tight loop.
+_held: dict[str, float] = {}
 _HELD_REMEMBERED = 1000
+FIRST_HOLD_SECONDS = 0.05
 
 # The mixin is typed as the Request it is mixed into (recoverable_request_class); it derives from object.
 if TYPE_CHECKING:
@@ -219,6 +224,7 @@ class AdmittedRequest(_Request):
         self._orphans_recorded = recorded
 
     def _orphans_admitted(self, token: str, generation: int) -> None:
+        _held.pop(self.id, None)
         self._orphans_token = token
         # The execution holds only while this boot's lease does; the pool process reads it there.
         self._orphans_generation = self.request_dict[GENERATION] = generation
@@ -244,12 +250,17 @@ class AdmittedRequest(_Request):
         an earlier delivery's entry may be recovered by a sweep, so it may not run unprotected (a message
         delivered for the first time does: fail open). It is delivered again, and admitted (or dropped as
         overtaken) once the ledger answers."""
-        level = logging.DEBUG if self.id in _held else logging.WARNING
+        wait = _held.get(self.id)
         if len(_held) >= _HELD_REMEMBERED:
             _held.clear()
-        _held.add(self.id)
+        _held[self.id] = min(settings.HEARTBEAT_SECONDS, 2 * wait) if wait else FIRST_HOLD_SECONDS
+        level = logging.DEBUG if wait else logging.WARNING
         logger.log(level, "gave %s[%s] back to the broker unrun: %s", self.name, self.id, why)
         task_ready(self)
         self._already_revoked = True
-        self.reject(requeue=True)
+        hub = get_event_loop()  # none on the pools without one: handed back at once, as before
+        if not wait or hub is None:
+            self.reject(requeue=True)
+        else:
+            hub.call_later(wait, self.reject, True)
         return False
