@@ -138,6 +138,10 @@ class Ledger:
         """Mark the entry written with ``token`` as handed back to the broker (see ``HAND_BACK``)."""
         return bool(self._hand_back(keys=[self.keys.entry(task_id)], args=[token, time.time()]))
 
+    def hand_back_command(self, task_id: str, token: str) -> tuple[Any, ...]:
+        """``hand_back`` as one ``EVAL`` command, for a connection of the caller's own."""
+        return (b"EVAL", scripts.HAND_BACK, 1, self.keys.entry(task_id), token, time.time())
+
     def release(self, task_id: str, token: str) -> bool:
         """Remove the entry if it is still the one written with ``token``."""
         return bool(self._release(keys=[self.keys.entry(task_id), self.keys.inflight], args=[token, task_id]))

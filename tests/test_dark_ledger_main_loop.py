@@ -75,3 +75,27 @@ def test_a_release_over_a_dark_ledger_holds_the_main_loop_no_longer_than_the_val
         proxy.close()
     report("release over a dark ledger", next_task_held_seconds=held, bound_seconds=1.3 + 2.0)
     assert held < 1.3 + 2.0 + 1.0, f"the next task waited {held:.2f} s behind the release"
+
+
+def test_a_hand_back_over_a_dark_ledger_holds_the_main_loop_no_longer_than_the_validity(
+    workers: Any, redis_client: Any
+) -> None:
+    """A task that gives its message back (``Reject(requeue=True)``) has its entry marked handed back
+    first; its ledger gone dark just before, the message goes back after what is left of the validity, and
+    runs again once its own bounded admissions have given up (the boot given up meanwhile)."""
+    from demoapp.tasks import requeue_once, runs
+
+    proxy = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
+    try:
+        workers.start("dark-hand-back@test", env=ledger_env(proxy))
+        result = requeue_once.delay(1.0)
+        wait_for(lambda: starts(result.id) == 1, 20, "the first run", interval=0.02)
+        time.sleep(0.7)
+        proxy.blackhole()  # 0.3 s before the body gives its message back; the boot holds 0.8 s at least
+        wait_for(lambda: starts(result.id) == 2, 120, "the task to run again", interval=0.05)
+        first, again = (float(e.split(":")[-1]) for e in runs(result.id) if e.startswith("start"))
+        held = again - (first + 1.0)
+    finally:
+        proxy.close()
+    report("hand-back over a dark ledger", run_again_after_seconds=held, bound_seconds=1.3 + 2.0 + HEARTBEAT)
+    assert held < 1.3 + 2.0 + HEARTBEAT + 1.5, f"the task ran again {held:.2f} s after its hand-back"

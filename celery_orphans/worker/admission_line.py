@@ -1,8 +1,9 @@
 """The ledger calls the worker's main loop waits for, each bounded by what is left of the boot's validity.
 
 The admission of a delivery that waits for its verdict, the fence read of one that runs without a
-recorded entry (``stale``), and the removal of a finished task's entry that must go before the next task
-(``release_many``, for the outbox).
+recorded entry (``stale``), the removal of a finished task's entry that must go before the next task
+(``release_many``, for the outbox), and the mark of an entry whose message goes back to the broker
+(``hand_back``).
 
 A redelivery, a recovered copy, and every delivery while the last renewal was not answered wait for the
 admit script's verdict before they run. Through the ledger's own client that wait is its socket timeout,
@@ -62,6 +63,11 @@ def release_many(ledger: Ledger, releases: list[tuple[str, str]], seconds: float
     """``ledger.release_many(releases)``, answered within ``seconds``; ``redis.RedisError`` as ``admit``.
     A removal is made only while its entry carries its token: one sent again after a failure is harmless."""
     return int(_call(ledger, ledger.release_many_command(releases), seconds)) if releases else 0
+
+
+def hand_back(ledger: Ledger, task_id: str, token: str, seconds: float) -> bool:
+    """``ledger.hand_back``, answered within ``seconds``; ``redis.RedisError`` as ``admit``."""
+    return bool(_call(ledger, ledger.hand_back_command(task_id, token), seconds))
 
 
 def _call(ledger: Ledger, command: tuple[Any, ...], seconds: float) -> Any:

@@ -120,9 +120,10 @@ class Outbox:
                 self._pending.setdefault(ledger, [])[:0] = releases
             self._nudge()
 
-    def settle(self) -> None:
-        """Wait for the answer to every entry sent, so each is in Redis (or its failure logged)."""
-        self._settle_all()
+    def settle(self, seconds: float | None = None) -> bool:
+        """Wait for the answer to every entry sent, so each is in Redis (or its failure logged); given
+        ``seconds``, no longer, and ``False`` if some are still owed then."""
+        return self._settle_all(seconds)
 
     def flush(self, seconds: float | None = None) -> int:
         """Settle, then carry out every queued removal now; returns how many were sent. Given ``seconds``,

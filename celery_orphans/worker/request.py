@@ -17,6 +17,7 @@ ending for the sweep to leave it alone (``endings.py``).
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 from billiard.exceptions import Terminated, WorkerLostError
@@ -27,7 +28,7 @@ from celery.worker.state import task_ready
 from celery_orphans import logs
 from celery_orphans.exceptions import ExecutionForfeit
 from celery_orphans.ledger import ledger_for
-from celery_orphans.worker import forfeit, lifecycle, pool_loss
+from celery_orphans.worker import admission_line, forfeit, lifecycle, pool_loss
 from celery_orphans.worker.admission import AdmittedRequest
 from celery_orphans.worker.outbox import outbox
 
@@ -59,13 +60,12 @@ class RecoverableRequestMixin(AdmittedRequest):
         # Off the path from this acknowledgement to the next task (see outbox.py), unless no result row
         # will say the task ended: then its entry goes before anything else happens.
         # Now, bounded as the heartbeat's own calls are: a ledger gone dark holds the main loop no longer.
-        heartbeat = lifecycle.current()
         outbox.release(
             self._orphans_ledger or ledger_for(),
             self.id,
             token,
             now=bool(self.task.ignore_result),
-            seconds=heartbeat.time_left() if heartbeat is not None else None,
+            seconds=_time_left(),
         )
 
     def _orphans_hand_back(self) -> None:
@@ -73,11 +73,19 @@ class RecoverableRequestMixin(AdmittedRequest):
         token, self._orphans_token = self._orphans_token, None
         if token is None:
             return
+        ledger = self._orphans_ledger or ledger_for()
+        seconds = _time_left()
         with logs.redis_fault_let_go(
             logger, "cannot mark %s[%s] as handed back to the broker", self.name, self.id
         ):
-            outbox.settle()  # the entry was sent without waiting: it is in Redis once answered
-            (self._orphans_ledger or ledger_for()).hand_back(self.id, token)
+            if seconds is None:
+                outbox.settle()  # the entry was sent without waiting: it is in Redis once answered
+                ledger.hand_back(self.id, token)
+                return
+            # Bounded as the heartbeat's own calls are: a ledger gone dark holds the main loop no longer.
+            deadline = time.monotonic() + seconds
+            outbox.settle(seconds)
+            admission_line.hand_back(ledger, self.id, token, deadline - time.monotonic())
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = getattr(exc_info, "exception", None)
@@ -124,6 +132,13 @@ class RecoverableRequestMixin(AdmittedRequest):
             return
         super().reject(requeue)
         self._orphans_release()
+
+
+def _time_left() -> float | None:
+    """What a ledger call of the main loop may take: what is left of the boot's validity, as for the
+    heartbeat's calls; ``None`` (the client's own timeouts) in a process without a heartbeat."""
+    heartbeat = lifecycle.current()
+    return heartbeat.time_left() if heartbeat is not None else None
 
 
 # What the main process hears when the pool process did not let the execution's end stand: the forfeit check
