@@ -94,6 +94,19 @@ def test_a_row_left_by_an_execution_that_ended_without_a_state_is_no_candidate_u
     assert set(by_id(found)) == {restarted, elsewhere}
 
 
+def test_a_task_asked_about_that_ended_without_a_state_since_the_first_read_is_no_candidate():
+    ended, running, not_asked = (factories.orphan(entry=False, started_ago=30) for _ in range(3))
+    found, _ = candidates.gather(current_app, ledger(), None)
+    assert set(by_id(found)) == {ended, running, not_asked}
+    # While its node is asked, the execution of one ends with Ignore: the node answers without it.
+    for task_id in (ended, not_asked):
+        endings.write(client(), Keys.current(), task_id, factories.GHOST, ttl=60)
+
+    left = candidates.ended_since(ledger(), found, {ended, running})
+
+    assert set(by_id(left)) == {running, not_asked}
+
+
 def test_an_entry_released_between_the_sweeps_two_reads_leaves_no_candidate_of_a_finished_task():
     task_id = factories.orphan()
     TaskResult.objects.filter(task_id=task_id).update(status="SUCCESS")  # before the rows are read

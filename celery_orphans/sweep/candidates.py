@@ -58,6 +58,15 @@ def without_ended(ledger: Ledger, rows: dict[str, Row], recorded: set[str]) -> d
     }
 
 
+def ended_since(ledger: Ledger, candidates: list[Candidate], asked: set[str]) -> list[Candidate]:
+    """``candidates`` less the ``asked`` ones whose execution ended without a state since ``find`` read
+    the endings: the node's answer no longer names such a task, and its ending says why."""
+    ended = endings.read(ledger.client, ledger.keys, sorted(asked)) if asked else {}
+    return [
+        c for c in candidates if c.task_id not in ended or not ended[c.task_id].covers(c.worker, c.started_at)
+    ]
+
+
 def merge(app: Celery, ledger: Ledger, found: Found) -> tuple[list[Candidate], dict[str, Entry]]:
     """Read the entries and fences of what ``find`` found, and merge them with the rows by id."""
     rows = dict(found.rows)

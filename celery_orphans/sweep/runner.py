@@ -28,7 +28,7 @@ from celery_orphans.recovery.outcome import Outcome
 from celery_orphans.rules import Limits, asks_about, by_operator, decide, defer_excess
 from celery_orphans.store import Keys, client
 from celery_orphans.sweep import liveness
-from celery_orphans.sweep.candidates import find, merge, own_tasks
+from celery_orphans.sweep.candidates import ended_since, find, merge, own_tasks
 from celery_orphans.sweep.lock import sweep_lock
 from celery_orphans.sweep.values import Options, Report, SweepFailed
 
@@ -210,7 +210,10 @@ def _gather_and_ask(
             ask.setdefault(c.worker, set()).add(c.task_id)
     nodes = {c.worker for c in candidates if c.worker}
     views = liveness.observe(app, nodes, ask, settings.INSPECT_TIMEOUT_SECONDS, ledger.client)
-    return candidates, entries, views
+    # A task that ended with Ignore or Reject while its node was asked is not named in the answer: its
+    # ending, written before the node let it go, is read again.
+    asked = {task_id for ids in ask.values() for task_id in ids}
+    return ended_since(ledger, candidates, asked), entries, views
 
 
 def _count_leases() -> int | None:
