@@ -10,7 +10,6 @@ Each test reports what it measured.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import pytest
 from django_celery_results.models import TaskResult
 
-from celery_orphans.exceptions import SweepLocked
 from celery_orphans.models import OrphanEvent
 from tests.faults import effects, overlap, quiet, report, seen_in_log
 from tests.helpers import finishes, ledger_env, starts, sweep_now, task_on_a_doomed_worker, wait_for
@@ -46,8 +44,7 @@ def settle(result: Any, timeout: float = 90) -> None:
     """Sweep as Beat would until the task ends (SUCCESS or FAILURE)."""
 
     def ended() -> bool:
-        with contextlib.suppress(SweepLocked):
-            sweep_now()
+        sweep_now()
         return status_of(result.id) in ("SUCCESS", "FAILURE")
 
     wait_for(ended, timeout, f"{result.id} to end", interval=1)
@@ -211,8 +208,7 @@ def test_an_admission_held_by_a_dark_link_that_lands_later_does_not_run_the_task
         settle(result)
         time.sleep(3)
         for _ in range(3):
-            with contextlib.suppress(SweepLocked):
-                sweep_now()
+            sweep_now()
             time.sleep(1)
         m = outcome("admission held in a dark link, landing later", result, history=history.close())
         print("\n".join(line for line in worker.log().splitlines() if "celery-orphans" in line)[-6000:])
