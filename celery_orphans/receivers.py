@@ -34,7 +34,7 @@ def worker_init(sender: Any = None, **kwargs: Any) -> None:
             node,
             functools.partial(_stop_executions, sender),
             on_renewed,
-            stoppable=forfeit.stoppable(getattr(sender, "pool_cls", None) or "prefork"),
+            pool=getattr(sender, "pool_cls", None),
         )
     except ImproperlyConfigured as exc:
         logger.error("worker %s runs without a lease: %s", node, exc)

@@ -23,9 +23,9 @@ from celery_orphans.worker import clock, forfeit
 @pytest.fixture(autouse=True)
 def validity() -> Iterator[None]:
     """Put the shared validity back as it was: it is this process's own."""
-    before = forfeit._validity[0], forfeit._validity[1]
+    before = forfeit._validity[:]
     yield
-    forfeit._validity[0], forfeit._validity[1] = before
+    forfeit._validity[:] = before
 
 
 def request(generation: object) -> Any:

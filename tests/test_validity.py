@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery.concurrency import get_implementation
 
 from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
 from celery_orphans.worker import clock, forfeit
@@ -20,10 +19,9 @@ from tests.helpers import wait_for
 @pytest.fixture(autouse=True)
 def shared_validity() -> Iterator[None]:
     """Put the shared validity back as it was: it is this process's own."""
-    before = forfeit._validity[0], forfeit._validity[1]
+    before = forfeit._validity[:]
     yield
-    forfeit._validity[0], forfeit._validity[1] = before
-    forfeit.give_up_by_clock(True)
+    forfeit._validity[:] = before
 
 
 class Stops:
@@ -153,13 +151,3 @@ def test_an_ending_execution_does_not_wait_where_the_clock_gives_executions_up()
 
     assert not forfeit.settled(1, timeout=5)
     assert clock.now() - begun < 0.1
-
-
-@pytest.mark.parametrize(
-    ("pool", "stoppable"),
-    [("prefork", True), ("gevent", True), ("eventlet", True), ("solo", False), ("threads", False)],
-)
-def test_which_pools_can_stop_a_running_execution(pool: str, stoppable: bool) -> None:
-    assert forfeit.stoppable(pool) is stoppable
-    if pool in ("prefork", "solo", "threads"):  # the green pools' modules need their event loops
-        assert forfeit.stoppable(get_implementation(pool)) is stoppable

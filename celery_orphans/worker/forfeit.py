@@ -17,7 +17,8 @@ On the solo and threads pools nothing can stop a running execution, so giving it
 only hand its task to another worker while its body runs on. There the instant passing gives nothing up
 by itself: the heartbeat asks Redis at once, and the generation holds again if its lease is still there
 (no sweep can have judged the boot while it is), or is given up if it is gone or Redis cannot say. An
-execution that ends meanwhile waits for that answer (``settled``).
+execution that ends meanwhile waits for that answer (``settled``). The heartbeat makes that choice
+(``heartbeat.stoppable``) and publishes it with each instant.
 
 The instant is kept in memory shared with the pool processes (``_validity``), so a pool process checks it
 without a round trip and without waiting for the main process: a worker thawed after SIGSTOP finds its
@@ -50,36 +51,14 @@ logger = logs.get(__name__)
 # worker boot that admitted it. Each forfeit starts a new generation.
 GENERATION = "celery_orphans_generation"
 
-# [0]: until when (clock.now(), the same clock in every process) executions of generation [1] hold.
+# [0]: until when (clock.now(), the same clock in every process) executions of generation [1] hold;
+# [2]: 1.0 if, that instant passed, they wait for the heartbeat's answer instead of being given up by the
+# clock (the solo and threads pools), 0.0 if the clock gives them up (every other pool, and a zeroed copy).
 # Created when the worker imports its tasks, before the pool forks, so every forked pool process shares
 # it; billiard's, so that it can be handed to a spawned one (its memory is a file billiard passes on).
-_validity: Any = RawArray(ctypes.c_double, 2)
+_validity: Any = RawArray(ctypes.c_double, 3)
 
-# Whether the instant passing gives the generation up by itself (every pool but solo and threads): set by
-# this process's heartbeat (``validity.Validity``), inherited by a forked pool process.
-_by_clock = True
 SETTLE_POLL_SECONDS = 0.01
-# The pools whose executions run in the worker's own threads, by Celery's names for them and their classes.
-UNSTOPPABLE_POOLS = frozenset(
-    {"solo", "threads", "celery.concurrency.solo:TaskPool", "celery.concurrency.thread:TaskPool"}
-)
-
-
-def stoppable(pool_cls: Any) -> bool:
-    """Whether a worker running ``pool_cls`` (a class or Celery's name for one) can stop a running
-    execution: not on the solo and threads pools, whose executions run in the worker's own threads."""
-    if isinstance(pool_cls, str):  # as named, not imported: a green pool's module needs its event loop
-        return pool_cls not in UNSTOPPABLE_POOLS
-    return (
-        f"{getattr(pool_cls, '__module__', '')}:{getattr(pool_cls, '__qualname__', '')}"
-        not in UNSTOPPABLE_POOLS
-    )
-
-
-def give_up_by_clock(by_clock: bool) -> None:
-    """Whether the instant passing gives a generation up in this process (``stoppable``)."""
-    global _by_clock
-    _by_clock = by_clock
 
 
 def shared() -> Any:
@@ -93,8 +72,11 @@ def adopt(validity: Any) -> None:
     _validity = validity
 
 
-def hold_until(generation: int, valid_until: float) -> None:
-    """The heartbeat renewed the lease of ``generation``: its executions hold until ``valid_until``."""
+def hold_until(generation: int, valid_until: float, *, by_clock: bool = True) -> None:
+    """The heartbeat renewed the lease of ``generation``: its executions hold until ``valid_until``; then,
+    unless ``by_clock``, they wait for its answer (``settled``) instead of being given up."""
+    # The choice first: a reader that sees the generation sees what its instant passing does.
+    _validity[2] = 0.0 if by_clock else 1.0
     _validity[1] = generation
     _validity[0] = valid_until
 
@@ -113,12 +95,12 @@ def holds(generation: int) -> bool:
 
 
 def settled(generation: int, timeout: float) -> bool:
-    """``holds(generation)``; where the clock gives nothing up by itself (``give_up_by_clock``), a
-    generation whose instant passed waits up to ``timeout`` for the heartbeat's answer: held again, or
+    """``holds(generation)``; where the clock gives nothing up by itself (``hold_until(by_clock=False)``),
+    a generation whose instant passed waits up to ``timeout`` for the heartbeat's answer: held again, or
     given up."""
     deadline = clock.now() + timeout
     while not holds(generation):
-        if _by_clock or _validity[1] != generation or clock.now() >= deadline:
+        if not _validity[2] or _validity[1] != generation or clock.now() >= deadline:
             return False
         time.sleep(SETTLE_POLL_SECONDS)
     return True

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from django.core.exceptions import ImproperlyConfigured
@@ -31,6 +32,18 @@ WATCH_LIMIT = 16  # lapsed boots a renewal reports at most; the next renewals re
 # While no lease holds, the next try comes this soon, then twice as late each time, up to a heartbeat:
 # a ledger that comes back is used within a heartbeat, as a renewal after an outage would be.
 FIRST_RETRY_SECONDS = 0.25
+# The pools whose executions run in the worker's own threads, by Celery's names for them and their classes.
+UNSTOPPABLE_POOLS = frozenset(
+    {"solo", "threads", "celery.concurrency.solo:TaskPool", "celery.concurrency.thread:TaskPool"}
+)
+
+
+def stoppable(pool_cls: Any) -> bool:
+    """Whether a worker running ``pool_cls`` (a class or Celery's name for one) can stop a running
+    execution: not on the solo and threads pools, whose executions run in the worker's own threads."""
+    if not isinstance(pool_cls, str):  # a name is not imported: a green pool's module needs its event loop
+        pool_cls = f"{getattr(pool_cls, '__module__', '')}:{getattr(pool_cls, '__qualname__', '')}"
+    return pool_cls not in UNSTOPPABLE_POOLS
 
 
 class Heartbeat:
@@ -47,20 +60,22 @@ class Heartbeat:
         on_forfeit: Callable[[int], int] | None = None,
         on_renewed: Callable[[leases.Seen], None] | None = None,
         *,
-        stoppable: bool = True,
+        pool: Any = None,
     ) -> None:
-        """``stoppable``: whether the worker's pool can stop a running execution (``forfeit.stoppable``)."""
+        """``pool``: the worker's pool class, or Celery's name for it (prefork if ``None``); whether it can
+        stop a running execution (``stoppable``) decides what the instant passing does (``Validity``)."""
         self.node = node
         # Its records are dropped by the heartbeat's thread, so a sweep need not wait for them to lapse.
         self._given_up: list[str] = []
         self._wake = threading.Event()  # a renewal now: the presence connection was made, or, unless
         # stoppable, the validity ran out
+        can_stop = stoppable(pool or "prefork")
         self.validity = Validity(
             node,
             boot or uuid.uuid4().hex,
             on_forfeit,
             self._given_up.append,
-            stoppable=stoppable,
+            stoppable=can_stop,
             on_expired=self._wake.set,
         )
         self.pid = os.getpid()
@@ -73,7 +88,7 @@ class Heartbeat:
         self.margin = settings.lease_margin()
         self.on_renewed = on_renewed
         self._stop = threading.Event()
-        self.presence = Presence(node, self._wake.set, stoppable=stoppable) if settings.PRESENCE else None
+        self.presence = Presence(node, self._wake.set, stoppable=can_stop) if settings.PRESENCE else None
         self.renewals.presence = self.presence
         self._thread: threading.Thread | None = None
         self._failing = False

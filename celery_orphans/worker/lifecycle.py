@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 from celery_orphans import leases, logs
 from celery_orphans.worker.heartbeat import Heartbeat
@@ -25,17 +26,17 @@ def take(
     on_forfeit: Callable[[int], int] | None = None,
     on_renewed: Callable[[leases.Seen], None] | None = None,
     *,
-    stoppable: bool = True,
+    pool: Any = None,
 ) -> Heartbeat:
     """Take this process's lease, not yet kept alive (``Heartbeat.take``); ``on_forfeit(generation)``
     stops the executions of a boot given up, ``on_renewed(seen)`` hears what a renewal saw of other
-    boots, ``stoppable`` says whether its pool can stop a running execution. Its Redis out of reach, the
+    boots, ``pool`` is the worker's pool (``Heartbeat``). Its Redis out of reach, the
     heartbeat is kept and takes the lease once started and answered; ``ImproperlyConfigured`` (no usable
     Redis URL) keeps none."""
     global _current
     heartbeat = current()
     if heartbeat is None:
-        heartbeat = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed, stoppable=stoppable)
+        heartbeat = Heartbeat(node, on_forfeit=on_forfeit, on_renewed=on_renewed, pool=pool)
         if heartbeat.take():
             logger.info("lease of %s (boot %s) taken", node, heartbeat.boot)
         _current = heartbeat

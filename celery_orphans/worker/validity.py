@@ -48,7 +48,6 @@ class Validity:
         self.node = node
         self.stoppable = stoppable
         self._on_expired = on_expired
-        forfeit.give_up_by_clock(stoppable)
         self.boot = boot
         self.generation = 1
         self.valid_until = 0.0  # clock.now(); 0: no renewal holds (none yet, or given up since)
@@ -75,7 +74,7 @@ class Validity:
                 return False
             if not self.stoppable or not self._expired():
                 self.valid_until = sent_at + hold
-                forfeit.hold_until(generation, self.valid_until)
+                forfeit.hold_until(generation, self.valid_until, by_clock=self.stoppable)
                 return True
         self.lapse(generation, "its lease was renewed too late", if_expired=True)
         return False
