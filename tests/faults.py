@@ -258,3 +258,10 @@ def report(fault: str, **measured: float | int | str) -> str:
         with open(path, "a") as out:
             out.write(json.dumps({"fault": fault, **numbers}) + "\n")
     return line
+
+
+def report_no_overlap(fault: str, task_id: str, found: Overlap, **measured: float | int | str) -> None:
+    """``report`` what a fault test measured, with the stale effects ``quiet`` found, then
+    ``assert_no_overlap``."""
+    report(fault, **measured, stale_effects=found.count, overlap_seconds=found.window)
+    assert_no_overlap(task_id)

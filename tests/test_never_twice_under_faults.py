@@ -33,6 +33,7 @@ from tests.faults import (
     overlap,
     quiet,
     report,
+    report_no_overlap,
     seen_in_log,
     thaw,
 )
@@ -93,14 +94,9 @@ def test_a_worker_whose_ledger_connection_goes_dark_stops_its_execution_before_i
     finally:
         proxy.close()
 
-    report(
-        "blackholed ledger",
-        recovered_after=again - cut,
-        gave_up_after=gave_up - cut,
-        stale_effects=found.count,
-        overlap_seconds=found.window,
+    report_no_overlap(
+        "blackholed ledger", result.id, found, recovered_after=again - cut, gave_up_after=gave_up - cut
     )
-    assert_no_overlap(result.id)
 
 
 def test_a_worker_whose_main_process_hangs_stops_its_pool_execution_before_it_is_recovered(
@@ -115,14 +111,13 @@ def test_a_worker_whose_main_process_hangs_stops_its_pool_execution_before_it_is
     thawed = time.time()
     found = quiet(result.id, stale=True)
 
-    report(
+    report_no_overlap(
         "main process frozen alone",
+        result.id,
+        found,
         recovered_after=again - stopped,
         thawed_after_recovery=thawed - again,
-        stale_effects=found.count,
-        overlap_seconds=found.window,
     )
-    assert_no_overlap(result.id)
 
 
 # --- a ledger that refuses writes ------------------------------------------------------------------------

@@ -220,13 +220,20 @@ def outbox_connections(server: RedisServer) -> int:
     return sum(1 for c in server.client().client_list() if c["name"] == OUTBOX_CLIENT_NAME)
 
 
-def test_through_sentinel_the_outbox_writes_to_the_master_the_sentinels_name(
-    sentinel_servers: SentinelSet, settings: Any, own_clients: None
-) -> None:
+@pytest.fixture
+def sentinel_ledger(sentinel_servers: SentinelSet, settings: Any, own_clients: None) -> Ledger:
+    """The ledger reached through the sentinels' ``orphans`` master, the writing boot's lease held there."""
     settings.CELERY_ORPHANS_REDIS_URL = sentinel_servers.sentinel.url()
     settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
     ledger = ledger_for()
     ledger.client.set(LEASE, b"1", px=600_000)
+    return ledger
+
+
+def test_through_sentinel_the_outbox_writes_to_the_master_the_sentinels_name(
+    sentinel_servers: SentinelSet, sentinel_ledger: Ledger
+) -> None:
+    ledger = sentinel_ledger
     outbox = Outbox(delay=60)
     e = work_entry("t")
 
@@ -238,12 +245,9 @@ def test_through_sentinel_the_outbox_writes_to_the_master_the_sentinels_name(
 
 
 def test_through_sentinel_the_outbox_follows_a_failover_to_the_new_master(
-    sentinel_servers: SentinelSet, settings: Any, own_clients: None
+    sentinel_servers: SentinelSet, sentinel_ledger: Ledger
 ) -> None:
-    settings.CELERY_ORPHANS_REDIS_URL = sentinel_servers.sentinel.url()
-    settings.CELERY_ORPHANS_REDIS_SENTINEL_MASTER = "orphans"
-    ledger = ledger_for()
-    ledger.client.set(LEASE, b"1", px=600_000)
+    ledger = sentinel_ledger
     ledger.client.execute_command("WAIT", 1, 5000)  # the replica has it before it is promoted
     outbox = Outbox(delay=60)
     outbox.admit(ledger, work_entry("before"), LEASE)
