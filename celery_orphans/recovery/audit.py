@@ -39,6 +39,30 @@ _SHADOWED = {
 }
 
 
+def _write(
+    action: AuditAction,
+    task_id: str,
+    *,
+    reason: str,
+    trigger: Trigger,
+    user: str = "",
+    task_name: str = "",
+    worker: str = "",
+    **more: Any,
+) -> Any:
+    """One audit row, the names cut to their columns; ``more``: the other columns it fills."""
+    return _events().objects.create(
+        task_id=task_id,
+        task_name=task_name[:255],
+        worker=worker[:255],
+        action=action,
+        reason=reason,
+        trigger=trigger,
+        triggered_by=user[:150],
+        **more,
+    )
+
+
 def record(
     decision: Decision,
     *,
@@ -49,17 +73,17 @@ def record(
     shadow: bool = False,
     checkpoint: Saved | None = None,
 ) -> Any:
-    return _events().objects.create(
-        task_id=decision.task_id,
-        task_name=task_name[:255],
-        worker=worker[:255],
-        action=(_SHADOWED if shadow else _AUDITED)[decision.action],
+    return _write(
+        (_SHADOWED if shadow else _AUDITED)[decision.action],
+        decision.task_id,
         reason=decision.reason.value,
         evidence=decision.evidence.value,
         detail=decision.detail,
         attempt=decision.attempt,
         trigger=trigger,
-        triggered_by=user[:150],
+        user=user,
+        task_name=task_name,
+        worker=worker,
         checkpoint_saved_at=checkpoint.at if checkpoint else None,
         checkpoint_bytes=checkpoint.size if checkpoint else None,
     )
@@ -83,15 +107,15 @@ def record_event(
     """
     try:
         with transaction.atomic():
-            return _events().objects.create(
-                task_id=task_id[:255],
-                task_name=task_name[:255],
-                worker=worker[:255],
-                action=action,
+            return _write(
+                action,
+                task_id[:255],
                 reason=reason[:64],
                 detail=detail,
                 trigger=trigger,
-                triggered_by=user[:150],
+                user=user,
+                task_name=task_name,
+                worker=worker,
             )
     except DatabaseError as exc:
         logger.error(
@@ -122,30 +146,30 @@ def record_lift(
     task_id: str, *, task_name: str, worker: str, attempts: int, detail: str, trigger: Trigger, user: str
 ) -> Any:
     """An operator lifted the recovery cap of a task marked terminal at it (in the lift's transaction)."""
-    return _events().objects.create(
-        task_id=task_id,
-        task_name=task_name[:255],
-        worker=worker[:255],
-        action=AuditAction.CAP_LIFTED,
+    return _write(
+        AuditAction.CAP_LIFTED,
+        task_id,
         reason="by_operator",
         detail=detail,
         attempt=attempts,
         trigger=trigger,
-        triggered_by=user[:150],
+        user=user,
+        task_name=task_name,
+        worker=worker,
     )
 
 
 def record_duplicate(task_id: str, task_name: str, worker: str, running_on: str) -> Any:
     """A worker dropped a delivery of a task that an execution on ``running_on`` runs and is alive."""
-    return _events().objects.create(
-        task_id=task_id,
-        task_name=task_name[:255],
-        worker=worker[:255],
-        action=AuditAction.DUPLICATE_DROPPED,
+    return _write(
+        AuditAction.DUPLICATE_DROPPED,
+        task_id,
         reason="duplicate",
         evidence="owner_alive",
         detail=f"delivered again while it runs on {running_on}; the delivery was dropped",
         trigger=Trigger.WORKER,
+        task_name=task_name,
+        worker=worker,
     )
 
 
