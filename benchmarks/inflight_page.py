@@ -29,57 +29,36 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "testproject")]
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
-from tests.services import BENCH_DATABASE_URL, ensure_database, provide  # noqa: E402
+from benchmarks import results_table  # noqa: E402
+from tests.services import BENCH_DATABASE_URL  # noqa: E402
 
 DATABASE_URL = BENCH_DATABASE_URL.rsplit("/", 1)[0] + "/bench_inflight"
-provide(DATABASE_URL)
-ensure_database(DATABASE_URL)
-os.environ["CELERY_ORPHANS_ENABLED"] = "true"
-
-import django  # noqa: E402
-
-django.setup()
+results_table.setup_django(DATABASE_URL)
 
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.core.management import call_command  # noqa: E402
-from django.db import connection, connections, transaction  # noqa: E402
+from django.db import connections, transaction  # noqa: E402
 from django.test import Client  # noqa: E402
 from django.utils import timezone  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
 
 from celery_orphans.worker.heartbeat import Heartbeat  # noqa: E402
 
-TABLE = TaskResult._meta.db_table
 PREFIX = "00000000-1f11-4000-8000-"
 URL = "/admin/celery_orphans/orphanevent/in-flight/"
-COLUMNS = (
-    "task_id, status, content_type, content_encoding, result, date_done, traceback, meta, task_args, "
-    "task_kwargs, task_name, worker, date_created, periodic_task_name, date_started"
-)
 
 
 def build(rows: int, nodes: list[str]) -> None:
     TaskResult.objects.filter(task_id__startswith=PREFIX).delete()
     rng = random.Random(rows)
     now = timezone.now()
-    connection.ensure_connection()
-    with (
-        transaction.atomic(),
-        connection.connection.cursor() as cursor,
-        cursor.copy(f"COPY {TABLE} ({COLUMNS}) FROM STDIN") as copy,
-    ):
+    with transaction.atomic(), results_table.copy_rows() as copy:
         for i in range(rows):
             worker = nodes[i % len(nodes)]
             began = now - timedelta(seconds=rng.uniform(60, 600))
             name = "demoapp.summarize" if i % 2 == 0 else "demoapp.scan"
-            result = json.dumps({"pid": 1000 + i % 50, "hostname": worker})
-            copy.write_row(
-                (f"{PREFIX}{i:012x}", "STARTED", "application/json", "utf-8", result, began, None,
-                 '{"children": []}', f"([{i}],)", "{}", name, worker, began, None, began)
-            )  # fmt: skip
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {TABLE}")
+            copy.write_row(results_table.started_row(f"{PREFIX}{i:012x}", name, worker, began, i))
+    results_table.analyze()
 
 
 def _cpu_of_machine() -> float:
