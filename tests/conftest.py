@@ -18,7 +18,7 @@ from pytest_django import Settings
 from celery_orphans import store
 from celery_orphans.ledger import Ledger
 from celery_orphans.store import Keys, client
-from celery_orphans.worker import lifecycle
+from celery_orphans.worker import forfeit, lifecycle
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests.helpers import MakeHeartbeat, database_url, wait_for
 from tests.services import TEST_DATABASE_NAME, MachineRedisGuard, RedisServer, SentinelSet, Vhost
@@ -299,6 +299,15 @@ def short_lease(settings: Settings) -> Settings:
     settings.CELERY_ORPHANS_LEASE_SECONDS = 0.5
     settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = 0.1
     return settings
+
+
+@pytest.fixture
+def shared_validity() -> Iterator[None]:
+    """Put the worker's validity shared with its pool (``forfeit._validity``) back as it was: it is this
+    process's own."""
+    before = forfeit._validity[:]
+    yield
+    forfeit._validity[:] = before
 
 
 @pytest.fixture

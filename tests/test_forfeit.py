@@ -19,13 +19,7 @@ from celery.worker import state
 from celery_orphans.exceptions import ExecutionForfeit
 from celery_orphans.worker import clock, forfeit
 
-
-@pytest.fixture(autouse=True)
-def validity() -> Iterator[None]:
-    """Put the shared validity back as it was: it is this process's own."""
-    before = forfeit._validity[:]
-    yield
-    forfeit._validity[:] = before
+pytestmark = pytest.mark.usefixtures("shared_validity")
 
 
 def request(generation: object) -> Any:

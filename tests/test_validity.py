@@ -5,7 +5,6 @@ alone, with no Redis anywhere."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,13 +14,7 @@ from celery_orphans.worker import clock, forfeit
 from celery_orphans.worker.validity import Validity
 from tests.helpers import wait_for
 
-
-@pytest.fixture(autouse=True)
-def shared_validity() -> Iterator[None]:
-    """Put the shared validity back as it was: it is this process's own."""
-    before = forfeit._validity[:]
-    yield
-    forfeit._validity[:] = before
+pytestmark = pytest.mark.usefixtures("shared_validity")
 
 
 class Stops:
