@@ -59,6 +59,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 # isort: split
+# An entry is sealed (an HMAC tag over its JSON) with the signing key, which the Django settings hold;
+# the ledger's servers here are the benchmark's own, so a key of its own is all it needs.
+import django  # noqa: E402
+from django.conf import settings as django_settings  # noqa: E402
+
+if not django_settings.configured:
+    django_settings.configure(SECRET_KEY="ledger-ceiling-benchmark-" + uuid.uuid4().hex, USE_TZ=True)
+    django.setup()
+
+# isort: split
 import hiredis  # noqa: E402
 import redis  # noqa: E402
 from celery import Celery  # noqa: E402
@@ -73,6 +83,7 @@ from tests.services import RedisServer  # noqa: E402
 
 TARGET = 20_000  # recoverable tasks per Redis-core-second
 MIN_RUNS = 5
+LEASE_SECONDS = 3600  # the workers' leases outlast every run (hold_leases)
 KEYS = Keys("celery_orphans")
 QUEUE = "ceiling"
 TASK_NAME = "demoapp.summarize"  # what the entry's message runs; no worker runs it here
@@ -144,6 +155,7 @@ class Ring:
 
     sent: list[bytes]
     flush: list[bytes]
+    lease: str  # the worker boot's lease key, which must exist for its admissions to be written
 
 
 def commands(pattern: str, made: list[Entry]) -> Ring:
@@ -164,7 +176,7 @@ def commands(pattern: str, made: list[Entry]) -> Ring:
         else:
             ledger.send_admit(recorder, entry, [], lease)
             ledger.release_many([(entry.task_id, entry.token)])
-    return Ring(recorder.sent, flusher.sent)
+    return Ring(recorder.sent, flusher.sent, lease)
 
 
 # --- the clients ----------------------------------------------------------------------------------------
@@ -226,7 +238,7 @@ def client(port: int, rings: list[Ring], load: Load, start: Any, done: Any, resu
             got = 0
             while (reply := s["reader"].gets()) is not False:
                 got += 1
-                if isinstance(reply, hiredis.ReplyError) or (isinstance(reply, list) and reply[0] != 1):
+                if not done_as_asked(reply):
                     errors += 1
             s["owed"] -= got
             replies += got
@@ -247,6 +259,14 @@ def client(port: int, rings: list[Ring], load: Load, start: Any, done: Any, resu
         sock.close()
     results.put((replies // calls, errors))
     done.set()
+
+
+def done_as_asked(reply: Any) -> bool:
+    """Whether the ledger did what the worker asked: an admission answers ``[1, ...]`` when it wrote the
+    entry (``4``: refused, its boot's lease is gone), a release the number of entries it removed (one)."""
+    if isinstance(reply, list):
+        return bool(reply[0] == 1)
+    return not isinstance(reply, hiredis.ReplyError) and reply == 1
 
 
 def run_load(
@@ -307,13 +327,7 @@ def ledger_runs(
     conn = server.client()
     conn.script_load(ADMIT)
     conn.script_load(RELEASE_MANY)
-    used = conn.info("memory")["used_memory"]
-    # The first round's admissions of the held entries: (its removals find nothing to remove).
-    held = commands("idle", entries(delivery, "running@bench", inflight)).sent[::2] if inflight else []
-    if any(isinstance(r, hiredis.ReplyError) or r[0] != 1 for r in send_all(server.port, held)):
-        raise RuntimeError("the ledger refused an entry")
-    memory_per_entry = (conn.info("memory")["used_memory"] - used) / max(1, inflight)
-    held_now = int(conn.zcard(KEYS.inflight))
+    held_ring = commands("idle", entries(delivery, "running@bench", inflight)) if inflight else None
     # One ring of tasks per connection (a worker's main process), per client process, per load shape.
     made = {
         (pattern, connections): [
@@ -325,6 +339,15 @@ def ledger_runs(
         ]
         for pattern, connections in sorted({(load.pattern, load.connections) for load in loads})
     }
+    rings = [ring for per_load in made.values() for per_client in per_load for ring in per_client]
+    leases = hold_leases(conn, [ring.lease for ring in rings + ([held_ring] if held_ring else [])])
+    used = conn.info("memory")["used_memory"]
+    # The first round's admissions of the held entries: (its removals find nothing to remove).
+    held = held_ring.sent[::2] if held_ring else []
+    if not all(done_as_asked(r) for r in send_all(server.port, held)):
+        raise RuntimeError("the ledger refused an entry")
+    memory_per_entry = (conn.info("memory")["used_memory"] - used) / max(1, inflight)
+    held_now = int(conn.zcard(KEYS.inflight))
     out: dict[str, Any] = {}
     if inflight:
         out["inflight"] = inflight
@@ -345,7 +368,26 @@ def ledger_runs(
         out[label] = summarize_runs(figures)
     # Every entry of the loads went with its removal.
     out["entries_left"] = int(conn.zcard(KEYS.inflight)) - held_now
+    if conn.exists(*leases) != len(leases):
+        raise RuntimeError("a worker's lease lapsed during the runs")
+    conn.delete(*leases)
     return out
+
+
+def hold_leases(conn: redis.Redis[bytes], leases: list[str]) -> list[str]:
+    """Write each worker boot's lease, as its heartbeat takes it, for as long as the runs last.
+
+    The admission script writes no entry for a boot whose lease is gone (``writer_gone``, answer 4): the
+    sweep would judge that boot dead. A live worker's heartbeat renews its lease (``redis_cost.py``
+    measures that: a cost per worker and per second, not per task), so here each lease is written once,
+    before Redis's counters are read, with a lifetime no run outlasts; ``ledger_runs`` checks they are all
+    still there at the end. Every admission a run counts was written, every release removed its entry.
+    """
+    with conn.pipeline(transaction=False) as pipe:
+        for lease in leases:
+            pipe.set(lease, "ledger-ceiling", ex=LEASE_SECONDS)
+        pipe.execute()
+    return leases
 
 
 def summarize_runs(figures: list[dict[str, Any]]) -> dict[str, Any]:
