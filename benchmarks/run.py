@@ -107,6 +107,18 @@ def sweep_rows(data: dict[str, Any]) -> list[Row]:
     )
     phases = ", ".join(f"{k} {v:.2f}" for k, v in h["ours_phases"].items())
     rows.append(("P3 dry run, where the time goes", "info", phases + " s", "info"))
+    silent = data.get("silent_dead")
+    if silent:
+        # Not the P3 target's case: a silent node is asked, and its silence waited out once (see the README).
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in silent["phases"].items())
+        rows.append(
+            (
+                "P3 dry run, dead silent (answer needed)",
+                f"info: waits {silent['inspect_timeout_seconds']:g} s",
+                f"{silent['dry_median']:.2f} s ({phases} s)",
+                "info",
+            )
+        )
     for n, figure in data["by_rows"].items():
         rows.append((f"P3 dry run, {int(n):,} rows", "grows with rows", f"{figure['median']:.2f} s", "info"))
     for label, seconds in data["dead_workers"].items():
@@ -124,6 +136,19 @@ def sweep_rows(data: dict[str, Any]) -> list[Row]:
     revokes = real.get("revokes_handled_by_live_workers_seconds")
     if revokes:
         rows.append(("P3 live workers handle revokes", "info", f"{max(revokes):.1f} s after it", "info"))
+    for dead_as, sweeps in data.get("real_twice", {}).items():
+        rows.append(
+            (
+                f"P3 two real sweeps, dead {dead_as.replace('_', ' ')}",
+                "info",
+                "; ".join(
+                    f"sweep {r['sweep']}: {r['seconds']:.2f} s, broadcast {r['phases']['broadcast']:.2f} s, "
+                    f"{r['decisions'].get('done', 0):,} actions"
+                    for r in sweeps
+                ),
+                "info",
+            )
+        )
     for label, plan in data["explain"].items():
         scan = "seq scan" if plan["seq_scan"] else "index: " + ", ".join(plan["indexes"])
         rows.append(
