@@ -55,26 +55,20 @@ from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "testproject")]
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
-from tests.services import BENCH_DATABASE_URL, ensure_database, provide  # noqa: E402
+from benchmarks import results_table  # noqa: E402
+from tests.services import BENCH_DATABASE_URL  # noqa: E402
 
 # A database of its own, by name, and a Redis server of its own.
-provide(BENCH_DATABASE_URL)
-ensure_database(BENCH_DATABASE_URL)
-os.environ["CELERY_ORPHANS_ENABLED"] = "true"
+results_table.setup_django(BENCH_DATABASE_URL)
 
-import django  # noqa: E402
 import redis  # noqa: E402
-from kombu.exceptions import OperationalError as KombuOperationalError  # noqa: E402
-
-django.setup()
-
 from django.core.management import call_command  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
 from django.db.models import QuerySet  # noqa: E402
 from django.test.utils import CaptureQueriesContext  # noqa: E402
 from django.utils import timezone  # noqa: E402
 from django_celery_results.models import TaskResult  # noqa: E402
+from kombu.exceptions import OperationalError as KombuOperationalError  # noqa: E402
 from testproject.celery import app  # noqa: E402
 
 from celery_orphans import sweep  # noqa: E402
@@ -88,7 +82,7 @@ from tests.factories import delivery  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 from tests.workers import Worker, WorkerPool  # noqa: E402
 
-TABLE = TaskResult._meta.db_table
+TABLE = results_table.table()
 MARKER = "bench-sweep-scale-population"
 FINISHED_PREFIX = "00000000-0000-4000-8000-"
 T = TypeVar("T")
@@ -102,25 +96,11 @@ NOT_RECOVERABLE = "demoapp.scan"
 IDLE_QUEUE = "sweep-scale-idle"  # the live workers listen here; nothing is ever sent to it
 RESENT_QUEUE = "sweep-scale-resent"  # recovered messages land here; nobody consumes it
 COMPOSITE_INDEX = "celery_orphans_started_idx"
-COLUMNS = (
-    "task_id, status, content_type, content_encoding, result, date_done, traceback, meta, task_args, "
-    "task_kwargs, task_name, worker, date_created, periodic_task_name, date_started"
-)
+COLUMNS = results_table.COLUMNS
 
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-@contextmanager
-def copy_rows() -> Iterator[Any]:
-    """A COPY into the results table on Django's own connection (so inside its transaction)."""
-    connection.ensure_connection()
-    with (
-        connection.connection.cursor() as cursor,
-        cursor.copy(f"COPY {TABLE} ({COLUMNS}) FROM STDIN") as copy,
-    ):
-        yield copy
 
 
 # --- the finished history -------------------------------------------------------------------------------
@@ -173,8 +153,7 @@ def populate(finished: int) -> int:
             task_id=MARKER,
             defaults={"status": "SUCCESS", "result": json.dumps({"finished": finished})},
         )
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {TABLE}")
+    results_table.analyze()
     log(f"  done in {time.monotonic() - started:.1f}s")
     return finished
 
@@ -244,31 +223,13 @@ def build_started(n_rows: int, live: list[str], dead: list[str], dead_as: str = 
     rng = random.Random(n_rows)
     now = timezone.now()
     entries = 0
-    with transaction.atomic(), copy_rows() as copy:
+    with transaction.atomic(), results_table.copy_rows() as copy:
         for i in range(n_rows):
             task_id = f"{STARTED_PREFIX}{i:012x}"
             worker = workers[i % len(workers)]
             began = now - timedelta(seconds=rng.uniform(60, 600))
             name = RECOVERABLE if i % 2 == 0 else NOT_RECOVERABLE
-            copy.write_row(
-                (
-                    task_id,
-                    "STARTED",
-                    "application/json",
-                    "utf-8",
-                    json.dumps({"pid": 1000 + i % 50, "hostname": worker}),
-                    began,
-                    None,
-                    '{"children": []}',
-                    f"([{i}],)",
-                    "{}",
-                    name,
-                    worker,
-                    began,
-                    None,
-                    began,
-                )
-            )
+            copy.write_row(results_table.started_row(task_id, name, worker, began, i))
     # The writes Ledger.admit makes for a task without a fence, pipelined: one round trip per thousand
     # entries instead of one per entry keeps a 100,000-row build to seconds.
     keys = Keys.current()
@@ -290,8 +251,7 @@ def build_started(n_rows: int, live: list[str], dead: list[str], dead_as: str = 
         if len(pipe) >= 2000:
             pipe.execute()
     pipe.execute()
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {TABLE}")
+    results_table.analyze()
     return StartedSet(n_rows, live, dead, entries, dead_as)
 
 
