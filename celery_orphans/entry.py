@@ -20,6 +20,8 @@ from typing import Any
 
 from django.conf import settings as django_settings
 from django.core import signing
+from django.utils.crypto import salted_hmac
+from django.utils.encoding import force_bytes
 from kombu.utils.json import JSONEncoder, object_hook
 
 from celery_orphans.conf import settings
@@ -119,13 +121,36 @@ FORGED = (
 
 
 def signer() -> signing.Signer:
-    """What seals and opens entries: ``SIGNING_KEY`` and its fallbacks, else ``SECRET_KEY`` and its."""
+    """What seals and opens entries: ``SIGNING_KEY`` and its fallbacks, else ``SECRET_KEY`` and its.
+
+    It reads the settings when it is built: a reader of many entries builds one and opens them all with
+    it (``parse``), rather than read the settings once per entry."""
     key = settings.SIGNING_KEY
     fallbacks: list[bytes | str] = [*settings.SIGNING_KEY_FALLBACKS]
     if key is None:
         key = django_settings.SECRET_KEY
         fallbacks += getattr(django_settings, "SECRET_KEY_FALLBACKS", [])
-    return signing.Signer(key=key, fallback_keys=fallbacks, salt=SALT, algorithm="sha256")
+    return _Signer(key=key, fallback_keys=fallbacks, salt=SALT)
+
+
+class _Signer(signing.Signer):
+    """Django's ``Signer``, tags and checks unchanged, that derives each key's HMAC key once, not once per
+    tag: every entry's tag is still computed and compared (in constant time, by ``unsign``)."""
+
+    def __init__(self, *, key: bytes | str, fallback_keys: list[bytes | str], salt: str) -> None:
+        super().__init__(key=key, fallback_keys=fallback_keys, salt=salt, algorithm="sha256")
+        self._key_salt = salt + "signer"  # as Signer.signature salts it
+        self._macs: dict[bytes | str, Any] = {}
+
+    def signature(self, value: bytes | str, key: bytes | str | None = None) -> str:
+        key = key or self.key
+        mac = self._macs.get(key)
+        if mac is None:
+            # salted_hmac over no message: the derived key's HMAC state, copied for each tag.
+            mac = self._macs[key] = salted_hmac(self._key_salt, b"", key, algorithm="sha256")
+        mac = mac.copy()
+        mac.update(force_bytes(value))
+        return signing.b64_encode(mac.digest()).decode()
 
 
 # kombu's types in the headers (a datetime, say) come back as they went in, so the message is sent again
@@ -258,13 +283,18 @@ class Unreadable:
 
 
 def parse(
-    task_id: str, token: bytes | None, raw: bytes | None, handed_back: bytes | None = None
+    task_id: str,
+    token: bytes | None,
+    raw: bytes | None,
+    handed_back: bytes | None = None,
+    opener: signing.Signer | None = None,
 ) -> Entry | Unreadable | None:
-    """The entry stored for ``task_id`` (``None`` when there is none)."""
+    """The entry stored for ``task_id`` (``None`` when there is none), its tag checked by ``opener``
+    (``signer()`` when not given: pass one to read many entries)."""
     if raw is None:
         return None
     try:
-        stored = signer().unsign(raw.decode() if isinstance(raw, bytes) else raw)
+        stored = (opener or signer()).unsign(raw.decode() if isinstance(raw, bytes) else raw)
     except (signing.BadSignature, UnicodeDecodeError):
         return Unreadable(FORGED)
     try:

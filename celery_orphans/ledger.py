@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from celery_orphans import scripts
-from celery_orphans.entry import Entry, Unreadable, parse
+from celery_orphans.entry import Entry, Unreadable, parse, signer
 from celery_orphans.replies import Admission as Admission
 from celery_orphans.replies import Fence as Fence
 from celery_orphans.replies import Lift as Lift
@@ -234,9 +234,10 @@ class Ledger:
         flat = [value for chunk in pipe.execute() for value in chunk] if task_ids else []
         found: dict[str, Entry | Unreadable | None] = {}
         fences: dict[str, Fence] = {}
+        opener = signer()  # the settings read once for the whole read, not once per entry
         for i, task_id in enumerate(task_ids):
             token, raw, handed_back, attempts, claimed, sent, lifted = flat[7 * i : 7 * i + 7]
-            found[task_id] = parse(task_id, token, raw, handed_back)
+            found[task_id] = parse(task_id, token, raw, handed_back, opener)
             fences[task_id] = fence_of(attempts, claimed, sent, lifted)
         return found, fences
 

@@ -42,6 +42,10 @@ class Fence:
         return bool(entry.token) and self.claimed == entry.token
 
 
+# The fence of a task no recovery has touched.
+NO_FENCE = Fence()
+
+
 @dataclass(frozen=True)
 class Lift:
     """What lifting a task's cap found: ``done`` 1 lifted, 0 not marked terminal (or its window passed),
@@ -74,6 +78,8 @@ def fence_of(
     attempts: bytes | None, claimed: bytes | None, sent: bytes | None, lifted: bytes | None
 ) -> Fence:
     """A task's fence from the fields ``LOAD`` read of it."""
+    if attempts is None and claimed is None and sent is None and lifted is None:
+        return NO_FENCE  # most tasks were never recovered: one value serves them all
     return Fence(
         attempts=int(attempts) if attempts is not None else 0,
         claimed=claimed.decode() if claimed else None,

@@ -206,6 +206,36 @@ def test_a_rotated_signing_key_still_opens_entries_sealed_with_its_fallback(
     assert isinstance(ledger.load(["t"])["t"], Entry)
 
 
+def test_one_read_of_many_entries_checks_the_tag_of_each_with_the_keys_of_that_read(
+    ledger: Ledger, redis_client: redis.Redis, settings: Any
+) -> None:
+    settings.CELERY_ORPHANS_SIGNING_KEY = "old-key-of-the-ledger"
+    ledger.admit_delivery(work_entry("old"))
+    settings.CELERY_ORPHANS_SIGNING_KEY = "new-key-of-the-ledger"
+    settings.CELERY_ORPHANS_SIGNING_KEY_FALLBACKS = ["old-key-of-the-ledger"]
+    for task_id in ("new", "forged", "other-new"):
+        ledger.admit_delivery(work_entry(task_id))
+    text = _stored(redis_client, ledger, "forged").rsplit(":", 1)[0]
+    redis_client.hset(
+        ledger.keys.entry("forged"),
+        "entry",
+        signing.Signer(key="guess", salt=SALT, algorithm="sha256").sign(text),
+    )
+
+    found = ledger.load(["old", "new", "forged", "other-new"])
+
+    assert {task_id: type(e).__name__ for task_id, e in found.items()} == {
+        "old": "Entry",
+        "new": "Entry",
+        "forged": "Unreadable",
+        "other-new": "Entry",
+    }
+
+    settings.CELERY_ORPHANS_SIGNING_KEY_FALLBACKS = []
+
+    assert isinstance(ledger.load(["old", "new"])["old"], Unreadable)
+
+
 def test_without_a_signing_key_of_its_own_the_secret_key_and_its_fallbacks_seal(
     ledger: Ledger, settings: Any
 ) -> None:

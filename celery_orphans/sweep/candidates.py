@@ -51,6 +51,8 @@ def without_ended(ledger: Ledger, rows: dict[str, Row], recorded: set[str]) -> d
     ledger entry records a later delivery of the task (then the entry is judged)."""
     unrecorded = [task_id for task_id in rows if task_id not in recorded]
     ended = endings.read(ledger.client, ledger.keys, unrecorded)
+    if not ended:
+        return rows
     return {
         task_id: row
         for task_id, row in rows.items()
@@ -62,6 +64,8 @@ def ended_since(ledger: Ledger, candidates: list[Candidate], asked: set[str]) ->
     """``candidates`` less the ``asked`` ones whose execution ended without a state since ``find`` read
     the endings: the node's answer no longer names such a task, and its ending says why."""
     ended = endings.read(ledger.client, ledger.keys, sorted(asked)) if asked else {}
+    if not ended:
+        return candidates
     return [
         c for c in candidates if c.task_id not in ended or not ended[c.task_id].covers(c.worker, c.started_at)
     ]
@@ -134,14 +138,15 @@ def candidate(
     problem = entry.reason if isinstance(entry, Unreadable) else None
     entry = entry if isinstance(entry, Entry) else None
     name = entry.task_name if entry else (row.task_name if row else None)
+    recorded = _moment(entry.recorded_at) if entry else None
     # Task.replace() sends another task under the same id: a row written before its entry was is the
     # replaced execution's, not a disagreement.
-    replaced = entry and row and row.started_at and row.started_at < _moment(entry.recorded_at)
+    replaced = recorded and row and row.started_at and row.started_at < recorded
     if entry and row and row.task_name and row.task_name != entry.task_name and not replaced:
         problem = f"the result row says {row.task_name!r} but the ledger entry says {entry.task_name!r}"
     if row and row.problem:
         problem = row.problem
-    starts = [t for t in (row.started_at if row else None, _entry_start(entry)) if t is not None]
+    starts = [t for t in (row.started_at if row else None, recorded) if t is not None]
     policy = registry.policy_of(tasks.get(name)) if name else None
     return Candidate(
         task_id=task_id,
@@ -162,10 +167,6 @@ def candidate(
         sent_again=sent_again and entry is not None,
         handed_back_at=_moment(entry.handed_back_at) if entry and entry.handed_back_at else None,
     )
-
-
-def _entry_start(entry: Entry | None) -> datetime | None:
-    return None if entry is None else _moment(entry.recorded_at)
 
 
 def _moment(timestamp: float) -> datetime:
