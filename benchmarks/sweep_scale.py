@@ -270,9 +270,9 @@ class Timed:
 STEPS = (
     ("celery_orphans.sweep.runner", "find"),  # the rows query and the ledger index
     ("celery_orphans.sweep.candidates", "started_rows"),  # the rows query alone, called by find
-    ("celery_orphans.sweep.runner", "merge"),  # the ledger reads and the merge, during the broadcast's wait
+    ("celery_orphans.sweep.runner", "merge"),  # the ledger reads and the merge, before the broadcast
     ("celery_orphans.sweep.liveness", "ask_workers"),  # the one query_task broadcast
-    ("celery_orphans.sweep.liveness", "observe"),  # the broadcast, the leases, and the merge it overlaps
+    ("celery_orphans.sweep.liveness", "observe"),  # the leases and the broadcast
 )
 
 
@@ -307,14 +307,16 @@ def step_timer(inclusive: dict[str, float]) -> Iterator[None]:
 
 
 def phases_of(inclusive: dict[str, float], total: float) -> dict[str, float]:
-    """Where the time goes: the rows query, the ledger reads and merge, the broadcast's wait (the two
-    overlap: ledger and broadcast are each timed whole), and the rest (leases, decisions, actions)."""
+    """Where the time goes: the rows query, the ledger reads and merge, the broadcast's wait, and the
+    rest (the endings read again, the decisions, the actions): the time outside ``find``, the merge and
+    ``observe`` (the leases and the broadcast). The merge runs before the broadcast, not during its wait."""
     rows = inclusive.get("started_rows", 0.0)
+    ledger = inclusive.get("merge", 0.0)
     return {
         "rows": rows,
-        "ledger": inclusive.get("merge", 0.0),
+        "ledger": ledger,
         "broadcast": inclusive.get("ask_workers", 0.0),
-        "rest": total - inclusive.get("find", rows) - inclusive.get("observe", 0.0),
+        "rest": total - inclusive.get("find", rows) - ledger - inclusive.get("observe", 0.0),
     }
 
 
