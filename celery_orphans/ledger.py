@@ -18,11 +18,11 @@ import redis
 
 from celery_orphans import scripts
 from celery_orphans.entry import Entry, Unreadable, parse, signer
+from celery_orphans.replies import NO_FENCE, fence_of
 from celery_orphans.replies import Admission as Admission
 from celery_orphans.replies import Fence as Fence
 from celery_orphans.replies import Lift as Lift
 from celery_orphans.replies import admission as admission
-from celery_orphans.replies import fence_of
 from celery_orphans.store import Keys, client
 
 if TYPE_CHECKING:
@@ -231,12 +231,15 @@ class Ledger:
             for task_id in task_ids[start : start + LOAD_CHUNK]:
                 keys += [self.keys.entry(task_id), self.keys.fence(task_id)]
             self._load(keys=keys, client=pipe)
-        flat = [value for chunk in pipe.execute() for value in chunk] if task_ids else []
+        replies = [reply for chunk in pipe.execute() for reply in chunk] if task_ids else []
         found: dict[str, Entry | Unreadable | None] = {}
         fences: dict[str, Fence] = {}
         opener = signer()  # the settings read once for the whole read, not once per entry
-        for i, task_id in enumerate(task_ids):
-            token, raw, handed_back, attempts, claimed, sent, lifted = flat[7 * i : 7 * i + 7]
+        for task_id, reply in zip(task_ids, replies, strict=True):
+            if reply is None:  # no entry's text, no fence
+                found[task_id], fences[task_id] = None, NO_FENCE
+                continue
+            token, raw, handed_back, attempts, claimed, sent, lifted = reply
             found[task_id] = parse(task_id, token, raw, handed_back, opener)
             fences[task_id] = fence_of(attempts, claimed, sent, lifted)
         return found, fences

@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import enum
 
-# KEYS: entry and fence of each task, in pairs. Returns token and entry, then the fence's recovery count,
-# the tokens its latest recovery claimed and sent, and the count an operator lifted its cap to, of each
-# task, flat: one call instead of two commands per task, which is most of a sweep's reading at ten
-# thousand tasks.
+# KEYS: entry and fence of each task, in pairs. Returns, for each task, its entry's token, text and
+# hand-back time, then the fence's recovery count, the tokens its latest recovery claimed and sent, and the
+# count an operator lifted its cap to: one call instead of two commands per task, which is most of a
+# sweep's reading at ten thousand tasks. A task with neither an entry's text nor a fence (a result row's
+# alone, never recovered: half the tasks of a sweep or more) is one nil instead of seven, which the
+# client reads as it would the seven.
 LOAD = """
 local out = {}
 for i = 1, #KEYS, 2 do
   local e = redis.call('HMGET', KEYS[i], 'token', 'entry', 'handed_back')
   local f = redis.call('HMGET', KEYS[i + 1], 'attempts', 'claimed', 'sent', 'lifted')
-  out[#out + 1] = e[1]
-  out[#out + 1] = e[2]
-  out[#out + 1] = e[3]
-  out[#out + 1] = f[1]
-  out[#out + 1] = f[2]
-  out[#out + 1] = f[3]
-  out[#out + 1] = f[4]
+  if e[2] or f[1] or f[2] or f[3] or f[4] then
+    out[#out + 1] = {e[1], e[2], e[3], f[1], f[2], f[3], f[4]}
+  else
+    out[#out + 1] = false
+  end
 end
 return out
 """
