@@ -124,6 +124,14 @@ class Settings:
         "How far the ledger Redis's clock may run ahead of a worker's over one lease (a clock step, a "
         "failover to a replica whose clock differs): a worker gives its executions up this much sooner.",
     )
+    LEDGER_HOLD_SECONDS = Setting(
+        "LEDGER_HOLD_SECONDS",
+        non_negative_float,
+        60.0,
+        "How long a worker whose ledger refuses its writes, or that holds no lease, gives a recoverable "
+        "delivery back to the broker unrun instead of running it unrecorded; from its trouble's start, "
+        "after which it runs such deliveries unprotected (fail open). 0: fail open at once.",
+    )
     INSPECT_TIMEOUT_SECONDS = Setting(
         "INSPECT_TIMEOUT_SECONDS",
         positive_float,

@@ -22,13 +22,14 @@ import pytest
 from celery_orphans.models import OrphanEvent
 from celery_orphans.worker.admission_line import ADMISSION_CLIENT_NAME
 from tests.faults import report
-from tests.helpers import finishes, ledger_env, started_on, starts, sweep_until, wait_for
+from tests.helpers import finishes, ledger_env, started_on, starts, sweep_now, sweep_until, wait_for
 from tests.services import TcpProxy
 
 pytestmark = pytest.mark.worker
 
 DARK_SECONDS = 6.0  # the link stays dark this long after the copy is sent: several hand-backs
 HEARTBEAT = 0.5  # the suite's CELERY_ORPHANS_HEARTBEAT_SECONDS: the longest wait between hand-backs
+SHORT_VISIBILITY = {"TESTPROJECT_VISIBILITY_TIMEOUT": "2"}
 
 
 @pytest.mark.parametrize("fault", ["blackhole", "cut"])
@@ -86,3 +87,106 @@ def test_a_recovered_copy_whose_admission_gets_no_answer_is_handed_back_unrun_th
         deliveries_while_dark=deliveries,
         executions=2,
     )
+
+
+# --- a ledger that refuses writes: a bounded hold, then fail open ----------------------------------------
+
+
+def _refusing(
+    workers: Any, ledger_redis: Any, name: str, env: dict[str, str] | None = None, how: str = "oom"
+) -> Any:
+    """A worker whose ledger refuses writes, once it has given its boot up for it: it holds no lease, and
+    cannot take the next while the refusal lasts."""
+    worker = workers.start(name, env={**ledger_env(ledger_redis), **(env or {})}, queues=("refused",))
+    ledger_redis.refuse_writes(how)
+    wait_for(lambda: "gives up its boot" in worker.log(), 15, "the boot to be given up", interval=0.05)
+    return worker
+
+
+@pytest.mark.usefixtures("redis_client")
+@pytest.mark.parametrize("how", ["oom", "readonly"])
+def test_a_task_delivered_while_the_ledger_refuses_writes_is_held_and_survives_its_worker_dying(
+    workers: Any, ledger_redis: Any, how: str
+) -> None:
+    """Before, the delivery ran unprotected (fail open), and the worker killed under it left a ``STARTED``
+    row with no entry, which the sweep marked ``FAILURE`` once the ledger took writes again. Now it goes
+    back to the broker unrun while the refusal lasts; once its worker is gone, the next one runs it once."""
+    from demoapp.tasks import summarize
+
+    refused = _refusing(workers, ledger_redis, "refused-hold@test", how=how)
+    result = summarize.apply_async(([2, 3],), {"seconds": 5}, queue="refused")
+    held = f"gave demoapp.summarize[{result.id}] back to the broker unrun"
+    wait_for(lambda: held in refused.log() or starts(result.id), 15, "the delivery to be held or run")
+    time.sleep(2)  # a run would be under way
+    ran_while_refused = starts(result.id)
+    refused.kill()
+    ledger_redis.accept_writes()
+    time.sleep(1)
+    swept = [sweep_now() for _ in range(2)]
+    marked = [
+        f"{o.decision.action.value}:{o.decision.evidence}"
+        for s in swept
+        for o in s.outcomes
+        if o.decision.task_id == result.id
+    ]
+    # The Redis transport keeps what a killed worker held until its visibility timeout: a short one here,
+    # restored as the next worker starts.
+    time.sleep(2.5)
+    workers.start(
+        "after-hold@test", env={**ledger_env(ledger_redis), **SHORT_VISIBILITY}, queues=("refused",)
+    )
+    assert result.get(timeout=30) == 5
+    report(
+        f"task delivered while the ledger refuses writes ({how}), its worker killed",
+        ran_while_refused=ran_while_refused,
+        sweep_decisions=",".join(marked) or "none",
+        starts=starts(result.id),
+        finishes=finishes(result.id),
+    )
+
+    assert ran_while_refused == 0, "the delivery ran unrecorded while the ledger refused writes"
+    assert held in refused.log() and "cannot record" not in refused.log()
+    assert marked == [], marked
+    assert starts(result.id) == 1 and finishes(result.id) == 1
+    assert not OrphanEvent.objects.filter(task_id=result.id).exists()
+
+
+@pytest.mark.usefixtures("redis_client")
+def test_with_no_hold_a_task_delivered_while_the_ledger_refuses_writes_runs_unprotected_at_once(
+    workers: Any, ledger_redis: Any
+) -> None:
+    """``LEDGER_HOLD_SECONDS=0``: the old rule, fail open at once; the task runs unrecorded and ends."""
+    from demoapp.tasks import summarize
+
+    refused = _refusing(workers, ledger_redis, "open@test", {"CELERY_ORPHANS_LEDGER_HOLD_SECONDS": "0"})
+    result = summarize.apply_async(([2, 3],), {"seconds": 0.5}, queue="refused")
+    assert result.get(timeout=20) == 5
+    log = refused.log()
+    assert "run unprotected until its ledger records them again" in log
+    assert "back to the broker unrun" not in log
+    assert starts(result.id) == 1
+
+
+@pytest.mark.usefixtures("redis_client")
+def test_a_task_delivered_while_the_ledger_refuses_writes_runs_unprotected_once_the_hold_ran_out(
+    workers: Any, ledger_redis: Any
+) -> None:
+    """The hold is bounded from the worker's side: its trouble began at the first refused renewal, and a
+    delivery held past ``LEDGER_HOLD_SECONDS`` of it runs, unrecorded, with one warning for the worker."""
+    from demoapp.tasks import summarize
+
+    hold = 3.0
+    refused = _refusing(
+        workers, ledger_redis, "bounded@test", {"CELERY_ORPHANS_LEDGER_HOLD_SECONDS": str(hold)}
+    )
+    met = time.monotonic()
+    result = summarize.apply_async(([2, 3],), {"seconds": 0.5}, queue="refused")
+    assert result.get(timeout=30) == 5
+    ran_after = time.monotonic() - met
+    log = refused.log()
+    assert f"gave demoapp.summarize[{result.id}] back to the broker unrun" in log
+    said = "WARNING/MainProcess] celery-orphans: worker bounded@test cannot record its deliveries"
+    assert log.count(said) == 1, "said once for the worker, not per message"
+    assert starts(result.id) == 1
+    assert ran_after >= hold - 1, ran_after  # the renewal met the refusal at most a heartbeat before
+    report("refused writes, hold of 3 s", ran_after_seconds=ran_after)

@@ -155,10 +155,13 @@ def test_a_task_run_unprotected_on_a_live_worker_cut_off_from_its_ledger_is_not_
     workers: Any, redis_client: Any, fault: str
 ) -> None:
     """Fail open runs a task unprotected on a worker that holds no lease; a sweep meanwhile must not mark
-    that live task FAILURE (and revoke it) because its node has no live boot to ask."""
+    that live task FAILURE (and revoke it) because its node has no live boot to ask. A worker fails open
+    once its trouble has lasted ``LEDGER_HOLD_SECONDS`` (it gives the delivery back to the broker until
+    then); 0 here, so it does at once."""
     proxy = TcpProxy(run_port(redis_client))
     try:
-        worker = workers.start("cutoff@test", env=ledger_env(proxy), queues=("cutoff",))
+        env = {**ledger_env(proxy), "CELERY_ORPHANS_LEDGER_HOLD_SECONDS": "0"}
+        worker = workers.start("cutoff@test", env=env, queues=("cutoff",))
         if fault == "blackhole":
             proxy.blackhole()
         else:

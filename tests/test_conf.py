@@ -65,6 +65,7 @@ def test_documented_defaults_when_neither_setting_nor_environment(clean: Setting
     assert settings.HEARTBEAT_SECONDS == 2.0
     assert settings.LEASE_SECONDS == 10.0
     assert settings.INSPECT_TIMEOUT_SECONDS == 1.0
+    assert settings.LEDGER_HOLD_SECONDS == 60.0
     assert settings.BOOT_SWEEP is True
     assert settings.KEY_PREFIX == "celery_orphans"
 

@@ -326,9 +326,13 @@ def test_the_lease_of_a_heartbeat_taken_at_once_runs_what_waits_for_it_at_once(
 
 
 @pytest.mark.worker
-def test_a_worker_that_cannot_reach_its_ledger_at_start_runs_tasks_unrecorded_then_records_them(
-    workers: WorkerPool, redis_client: redis.Redis, tmp_path: Path
+@pytest.mark.parametrize("hold", [pytest.param(None, id="held"), pytest.param("0", id="no-hold")])
+def test_a_worker_that_cannot_reach_its_ledger_at_start_holds_or_runs_tasks_unrecorded_then_records_them(
+    workers: WorkerPool, redis_client: redis.Redis, tmp_path: Path, hold: str | None
 ) -> None:
+    """A worker without a lease cannot record a delivery: with the default ``LEDGER_HOLD_SECONDS`` it gives
+    the message back to the broker unrun until its lease is taken, and runs it recorded then; with 0 (the
+    old rule, fail open at once) it runs it unrecorded at once."""
     from demoapp.tasks import add, summarize
 
     ledger = RedisServer(tmp_path / "ledger", password="pw-s3cret").start()
@@ -339,6 +343,7 @@ def test_a_worker_that_cannot_reach_its_ledger_at_start_runs_tasks_unrecorded_th
         "CELERY_ORPHANS_BOOT_SWEEP": "true",
         "CELERY_ORPHANS_HEARTBEAT_SECONDS": "4",
         "CELERY_ORPHANS_LEASE_SECONDS": "13",
+        **({"CELERY_ORPHANS_LEDGER_HOLD_SECONDS": hold} if hold is not None else {}),
     }
     try:
         worker = workers.start("unledgered@test", env=env)
@@ -353,11 +358,17 @@ def test_a_worker_that_cannot_reach_its_ledger_at_start_runs_tasks_unrecorded_th
         wait_for(quiet_after_a_try_that_followed_a_pause, 30, "the worker's tries to back off")
         proxy.restore()
         unrecorded = add.delay(2, 3)
-        # Admitted with no lease: it ran unrecorded, with no generation stamped on it that does not hold.
-        assert unrecorded.get(timeout=10) == 5
+        assert unrecorded.get(timeout=15) == 5
         wait_for(lambda: "unledgered@test (boot" in worker.log() and "taken: its ledger" in worker.log(), 15)
         log = worker.log()
-        assert log.index(f"demoapp.add[{unrecorded.id}] succeeded") < log.index("taken: its ledger")
+        ran = log.index(f"demoapp.add[{unrecorded.id}] succeeded")
+        if hold is None:
+            # Received with no lease: given back to the broker unrun, and run once the lease was taken.
+            assert f"gave demoapp.add[{unrecorded.id}] back to the broker unrun" in log
+            assert log.index("taken: its ledger") < ran
+        else:
+            # Admitted with no lease: it ran unrecorded, with no generation stamped on it that does not hold.
+            assert ran < log.index("taken: its ledger")
         assert not ledger.client().exists(Keys.current().entry(unrecorded.id))
 
         recorded = summarize.delay([1, 2], seconds=3)

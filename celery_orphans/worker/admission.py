@@ -9,6 +9,8 @@ there. A first-hand delivery needs neither check, and its write goes out without
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
@@ -16,6 +18,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 from kombu.asynchronous import get_event_loop
+from kombu.utils.compat import detect_environment
 
 from celery_orphans import logs
 from celery_orphans.conf import settings
@@ -39,6 +42,12 @@ logger = logs.get(__name__)
 _held: dict[str, float] = {}
 _HELD_REMEMBERED = 1000
 FIRST_HOLD_SECONDS = 0.05
+# Since when (time.monotonic()) the ledger has refused this process's entries, none recorded since: the
+# heartbeat's renewal meets a refusal up to a heartbeat later. With the heartbeat's own trouble, it is how
+# long a delivery that cannot be recorded is held (``LEDGER_HOLD_SECONDS``).
+_refused_since: float | None = None
+_refused_last = 0.0  # the last refusal: one after a quiet gap of two heartbeats starts the count again
+_failing_open = False  # the hold ran out: said once per trouble
 
 # The mixin is typed as the Request it is mixed into (recoverable_request_class); it derives from object.
 if TYPE_CHECKING:
@@ -85,11 +94,15 @@ class AdmittedRequest(_Request):
         if heartbeat is None or not self.task.acks_late:
             return True  # without acks_late the broker has already forgotten the message
         if not heartbeat.leased:
-            # Fail open. Without a lease (its ledger could not be reached when the worker started, or
-            # the boot was given up and the next lease is not taken yet) nothing could prove this worker
-            # dead, and an entry would name a boot no sweep can see alive. The task runs unrecorded, and
-            # no generation that does not hold is stamped on it, so nothing forfeits it later; but a copy
-            # a recovery has overtaken is still dropped, if Redis answers.
+            # Without a lease (its ledger could not be reached when the worker started, or the boot was
+            # given up and the next lease is not taken yet) nothing could prove this worker dead, and an
+            # entry would name a boot no sweep can see alive: the delivery cannot be recorded. It goes
+            # back to the broker unrun while the trouble is young; past LEDGER_HOLD_SECONDS it fails
+            # open: the task runs unrecorded, and no generation that does not hold is stamped on it, so
+            # nothing forfeits it later; but a copy a recovery has overtaken is still dropped, if Redis
+            # answers.
+            if _holding(heartbeat):
+                return self._orphans_hold("its worker holds no lease")
             entry = entry_for(self, heartbeat, "")
             return not self._orphans_overtaken(entry, boot_ledger(heartbeat), heartbeat.time_left())
         # The generation whose boot the entry names is the one stamped on the execution, whatever the
@@ -106,7 +119,7 @@ class AdmittedRequest(_Request):
         # Without waiting only while the lease is being renewed: a ledger that stopped answering or
         # refuses writes is noticed at the next renewal, and from then on no delivery is stamped with a
         # generation before its entry is known to be recorded.
-        if redelivery.first_hand(self) and heartbeat.answered:
+        if redelivery.first_hand(self) and heartbeat.answered and _refused_since is None:
             sent = self._orphans_send(current, entry, lease, heartbeat, generation)
             if sent is not None:
                 return sent
@@ -126,12 +139,22 @@ class AdmittedRequest(_Request):
             )
         except redis.RedisError as exc:
             outbox.give_back(current, releases)
-            if not isinstance(exc, redis.ResponseError) and not redelivery.first_hand(self):
-                # No answer in time: the write may yet land, and a sweep that reaches Redis may recover
-                # the earlier delivery's entry meanwhile. Run here as well, the task would run twice.
-                return self._orphans_hold(f"its ledger write got no answer in time ({exc})")
-            # Fail open: the task runs, it just cannot be recovered if this worker dies. Redis refused the
-            # write, so no sweep can claim the task from it either.
+            if not isinstance(exc, redis.ResponseError):
+                if not redelivery.first_hand(self):
+                    # No answer in time: the write may yet land, and a sweep that reaches Redis may
+                    # recover the earlier delivery's entry meanwhile. Run here as well, the task would run
+                    # twice.
+                    return self._orphans_hold(f"its ledger write got no answer in time ({exc})")
+                # A first delivery's write that may yet land names this live boot: held, the message would
+                # meet its own entry when delivered again, and be dropped as a duplicate. It runs.
+                logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
+                return True
+            # Refused (OOM, READONLY, MISCONF): nothing was written. Held while the trouble is young;
+            # then fail open: the task runs, it just cannot be recovered if this worker dies, and no sweep
+            # can claim it from a refusing Redis either.
+            _refused()
+            if _holding(heartbeat):
+                return self._orphans_hold(f"its ledger refused the write ({exc})")
             logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
             return not self._orphans_overtaken(entry, current, heartbeat.time_left())
         if admission.duplicate:
@@ -146,8 +169,10 @@ class AdmittedRequest(_Request):
             return self._orphans_hold("its boot's lease had lapsed when the write reached Redis")
         if admission.writer_gone:
             # Its write reached Redis after the boot's lease had lapsed (held up on the way) and was not
-            # written: no entry names a boot that gave the task up. It runs unprotected, as fail open does
-            # (the script found it not stale).
+            # written: no entry names a boot that gave the task up. Held as a refused write is, then it
+            # runs unprotected, as fail open does (the script found it not stale).
+            if _holding(heartbeat):
+                return self._orphans_hold("its boot's lease had lapsed when the write reached Redis")
             logger.warning(
                 "cannot record %s[%s] in the ledger: its boot's lease lapsed before the write reached "
                 "Redis; it runs unprotected",
@@ -222,9 +247,14 @@ class AdmittedRequest(_Request):
 
     def _orphans_answered(self, recorded: bool) -> None:
         self._orphans_recorded = recorded
+        if not recorded:
+            _refused()  # the next deliveries wait for their verdict, and are held while it is a refusal
 
     def _orphans_admitted(self, token: str, generation: int) -> None:
+        global _refused_since, _failing_open
         _held.pop(self.id, None)
+        if self._orphans_recorded and (_refused_since is not None or _failing_open):
+            _refused_since, _failing_open = None, False
         self._orphans_token = token
         # The execution holds only while this boot's lease does; the pool process reads it there.
         self._orphans_generation = self.request_dict[GENERATION] = generation
@@ -246,10 +276,10 @@ class AdmittedRequest(_Request):
         self.acknowledge()
 
     def _orphans_hold(self, why: str) -> bool:
-        """Give a message delivered before back to the broker, unrun, when its admission was not recorded:
-        an earlier delivery's entry may be recovered by a sweep, so it may not run unprotected (a message
-        delivered for the first time does: fail open). It is delivered again, and admitted (or dropped as
-        overtaken) once the ledger answers."""
+        """Give a message back to the broker, unrun, when its admission was not recorded: a message
+        delivered before may have an earlier delivery's entry a sweep can recover the task from, and any
+        delivery run unrecorded is lost, marked ``FAILURE``, if its worker dies. It is delivered again, and
+        admitted (or dropped as overtaken) once the ledger records it."""
         wait = _held.get(self.id)
         if len(_held) >= _HELD_REMEMBERED:
             _held.clear()
@@ -258,9 +288,60 @@ class AdmittedRequest(_Request):
         logger.log(level, "gave %s[%s] back to the broker unrun: %s", self.name, self.id, why)
         task_ready(self)
         self._already_revoked = True
-        hub = get_event_loop()  # none on the pools without one: handed back at once, as before
-        if not wait or hub is None:
+        if not wait or not _later(wait, self.reject, True):
             self.reject(requeue=True)
-        else:
-            hub.call_later(wait, self.reject, True)
         return False
+
+
+def _refused() -> None:
+    """The ledger refused an entry of this process (from the main loop or the outbox's thread)."""
+    global _refused_since, _refused_last
+    now = time.monotonic()
+    if _refused_since is None or now - _refused_last > 2 * settings.HEARTBEAT_SECONDS:
+        _refused_since = now
+    _refused_last = now
+
+
+def _holding(heartbeat: Heartbeat) -> bool:
+    """Whether a delivery that cannot be recorded goes back to the broker unrun: while this worker's
+    trouble with its ledger (its renewals unanswered or refused, no lease held, its entries refused) is
+    younger than ``LEDGER_HOLD_SECONDS``. Past it the delivery runs unprotected (fail open), so that a long
+    outage does not stop the work."""
+    global _failing_open
+    refused = 0.0 if _refused_since is None else time.monotonic() - _refused_since
+    lasted = max(heartbeat.trouble_seconds(), refused)
+    limit = settings.LEDGER_HOLD_SECONDS
+    if lasted < limit:
+        _failing_open = False
+        return True
+    if not _failing_open:
+        _failing_open = True
+        logger.warning(
+            "worker %s cannot record its deliveries in the ledger for %.1fs (LEDGER_HOLD_SECONDS is %g): "
+            "the recoverable tasks it receives run unprotected until its ledger records them again",
+            heartbeat.node,
+            lasted,
+            limit,
+        )
+    return False
+
+
+def _later(seconds: float, call: Callable[..., object], *args: object) -> bool:
+    """Call ``call(*args)`` in ``seconds`` on the worker's main loop without holding it up: its event loop,
+    or a greenlet on the gevent and eventlet pools, which have none; ``False`` where neither is found."""
+    hub = get_event_loop()
+    if hub is not None:
+        hub.call_later(seconds, call, *args)
+        return True
+    environment = detect_environment()
+    if environment == "gevent":
+        import gevent  # type: ignore[import-untyped]
+
+        gevent.spawn_later(seconds, call, *args)
+        return True
+    if environment == "eventlet":
+        import eventlet  # type: ignore[import-untyped]
+
+        eventlet.spawn_after(seconds, call, *args)
+        return True
+    return False

@@ -94,6 +94,9 @@ class Heartbeat:
         self._failing = False
         self._retry = min(FIRST_RETRY_SECONDS, self.interval)  # the wait before the next try, no lease held
         self._unprotected_since: float | None = None  # time.monotonic(): its first lease not yet taken
+        # time.monotonic(): since when its renewals (or its tries to take the first lease) go unanswered or
+        # are refused, until one comes back; how long a delivery may be held for it (``trouble_seconds``).
+        self._trouble_since: float | None = None
         self._unreachable: str | None = None  # why take() could not reach Redis, until start() says it
         self._when_taken: list[Callable[[], None]] = []
         self._taking = threading.Lock()  # between when_taken() and the thread that takes the first lease
@@ -127,6 +130,14 @@ class Heartbeat:
         """Whether the last renewal came back: while it did not, a delivery waits for its ledger write."""
         return not self._failing
 
+    def trouble_seconds(self) -> float:
+        """How long this worker's trouble with its ledger has lasted: since the first renewal (or try to
+        take its first lease) that went unanswered or was refused, none answered since; 0 without trouble.
+        Measured here, once for the worker, not per message: a delivery held for it (``admission.py``)
+        runs unprotected once it has lasted ``LEDGER_HOLD_SECONDS``."""
+        since = self._trouble_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def token(self) -> str:
         """A token no other ledger entry of any boot carries: this boot's id and a count.
 
@@ -149,6 +160,7 @@ class Heartbeat:
         except redis.RedisError as exc:
             self._failing = True
             self._unreachable = str(exc)
+            self._trouble_since = self._unprotected_since
             return False
         return taken
 
@@ -188,14 +200,17 @@ class Heartbeat:
     def renew(self, *, watching: bool = True) -> bool:
         """Renew the lease (or take it, for a new boot); ``False`` when Redis could not be reached."""
         try:
-            return self._renew(watching=watching)
+            renewed = self._renew(watching=watching)
         except (redis.RedisError, ImproperlyConfigured) as exc:
             self.validity.expire()
             if not self._failing:
                 logger.warning("cannot renew the lease of %s: %s", self.node, exc)
             self._failing = True
             self._retry = min(self.interval, 2 * self._retry)
-            return False
+            renewed = False
+        if not renewed and self._trouble_since is None:
+            self._trouble_since = time.monotonic()
+        return renewed
 
     def _renew(self, *, watching: bool) -> bool:
         """``renew``, raising ``redis.RedisError`` when Redis could not be reached."""
@@ -216,6 +231,7 @@ class Heartbeat:
         if seen is None or not self.validity.extend(generation, begun, self.lease_seconds - self.margin):
             return False
         self._retry = min(FIRST_RETRY_SECONDS, self.interval)
+        self._trouble_since = None
         if self._unprotected_since is not None:
             self._first_taken(time.monotonic() - self._unprotected_since)
         elif self._failing:
