@@ -197,3 +197,46 @@ def test_messages_handed_over_before_the_worker_is_ready_are_admitted_under_its_
         assert entry.node == "rmq-early@test"
         assert redis_client.exists(Keys.current().lease(entry.node, entry.boot))
     assert [r.get(timeout=30) for r in results] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("outcome", ["SUCCESS", "FAILURE"])
+def test_a_redelivery_of_a_task_whose_result_is_stored_and_whose_ack_was_lost_is_dropped(
+    workers: Any, amqp_broker: str, outcome: str
+) -> None:
+    """The body ended and stored its outcome, the worker acknowledged and released its entry, but the ack
+    never reached RabbitMQ (its connection went dark, then was cut): the broker delivers the message again.
+    Before, the admission found no entry and admitted it as new: a task that had failed ran again (one that
+    had succeeded was caught in the pool process by Celery's ``worker_deduplicate_successful_tasks``, when
+    it is on). Now the worker's main process drops it, its row being ready."""
+    from urllib.parse import urlsplit
+
+    from demoapp.tasks import count_steps, summarize
+
+    from tests.helpers import finishes, started_on, starts
+    from tests.services import TcpProxy
+
+    parts = urlsplit(amqp_broker)
+    proxy = TcpProxy(parts.port or 5672)
+    proxied = parts._replace(netloc=f"{parts.netloc.rsplit(':', 1)[0]}:{proxy.port}").geturl()
+    try:
+        workers.start("rmq-lost-ack@test", env=on(proxied))
+        if outcome == "SUCCESS":
+            result = summarize.delay([2, 3], seconds=1.5)
+        else:
+            result = count_steps.delay(3, seconds=0.5, fail_at=3)  # fails after 1 s
+        started_on(result.id, "rmq-lost-ack@test")
+        proxy.blackhole()  # the broker link alone: the ack is held, the ledger and the database are not
+        wait_for(lambda: TaskResult.objects.filter(task_id=result.id, status=outcome).exists(), 20)
+        ledger_emptied()  # acknowledged, as far as the worker knows: its entry released
+        proxy.cut()  # the held ack is lost with the connection; RabbitMQ puts the message back
+        other = workers.start("rmq-after-lost-ack@test", env=on(amqp_broker))
+        wait_for(lambda: f"[{result.id}] received" in other.log(), 20, "the redelivery")
+        wait_for(lambda: starts(result.id) == 2 or "dropped a redelivery" in other.log(), 20, "its fate")
+        log = other.log()
+    finally:
+        proxy.close()
+    assert starts(result.id) == 1, "the task ran again after it ended"
+    assert finishes(result.id) == (1 if outcome == "SUCCESS" else 0)
+    assert f"[{result.id}]: its result row already says {outcome}" in log
+    assert TaskResult.objects.get(task_id=result.id).status == outcome
+    assert not OrphanEvent.objects.filter(task_id=result.id).exists()

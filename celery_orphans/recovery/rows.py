@@ -144,6 +144,13 @@ def finished(task_id: str) -> bool:
     return bool(_results().objects.filter(task_id=task_id, status__in=states.READY_STATES).exists())
 
 
+def ended_as(task_id: str) -> str | None:
+    """The state of the task's row if it says the task ended (``SUCCESS``, ``FAILURE``, ``REVOKED``)."""
+    ended = _results().objects.filter(task_id=task_id, status__in=states.READY_STATES)
+    status: str | None = ended.values_list("status", flat=True).first()
+    return status
+
+
 def mark_retry(task_id: str, detail: str) -> int:
     """The task was sent again: it is no longer running, and not finished either."""
     return _move(_unfinished(task_id), states.RETRY, TaskOrphaned(detail), detail)

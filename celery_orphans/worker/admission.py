@@ -93,6 +93,9 @@ class AdmittedRequest(_Request):
         heartbeat = lifecycle.current()
         if heartbeat is None or not self.task.acks_late:
             return True  # without acks_late the broker has already forgotten the message
+        if redelivery.single_flight() and self.delivery_info.get("redelivered") and redelivery.finished(self):
+            self._orphans_drop()  # its result is stored: its acknowledgement was lost, not its execution
+            return False
         if not heartbeat.leased:
             # Without a lease (its ledger could not be reached when the worker started, or the boot was
             # given up and the next lease is not taken yet) nothing could prove this worker dead, and an

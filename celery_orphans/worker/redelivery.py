@@ -20,7 +20,7 @@ from celery_orphans import logs, registry
 from celery_orphans.conf import settings
 from celery_orphans.entry import HEADER, Entry, Unreadable
 from celery_orphans.ledger import Admission
-from celery_orphans.recovery import audit
+from celery_orphans.recovery import audit, rows
 from celery_orphans.rules import after_redelivery
 from celery_orphans.worker import lifecycle
 from celery_orphans.worker.takeover import take_over
@@ -57,6 +57,31 @@ def marks_redeliveries(app: Any) -> bool:
 
 
 _MARKING_TRANSPORTS = frozenset({"amqp", "redis"})
+
+
+def finished(request: Any) -> bool:
+    """Whether ``request``, a message the broker delivers again, is of a task whose result row already says
+    it ended: its execution stored its outcome, and its acknowledgement was lost (a connection cut after
+    the body ended, before the broker had the ack). Its entry was released with that acknowledgement, so
+    the admission would take it for new and run the task twice; it is dropped instead. Read only for a
+    message the broker marks redelivered, never on a first delivery's path. A task without a result row
+    (``ignore_result``) has nothing to read, and runs again, as on plain Celery."""
+    if request.task.ignore_result:
+        return False
+    try:
+        status = rows.ended_as(request.id)
+    except DatabaseError as exc:
+        logger.error("could not read the result row of %s[%s]: %s", request.name, request.id, exc)
+        return False
+    if status is None:
+        return False
+    logger.warning(
+        "dropped a redelivery of %s[%s]: its result row already says %s (its acknowledgement was lost)",
+        request.name,
+        request.id,
+        status,
+    )
+    return True
 
 
 def limits(request: Any) -> tuple[int, int]:
