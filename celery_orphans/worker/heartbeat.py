@@ -180,12 +180,14 @@ class Heartbeat:
             return
         if self._unreachable is not None:
             logger.error(
-                "worker %s cannot reach its ledger's Redis at %s (%s): it holds no lease, "
-                "so the recoverable tasks it runs are not recorded and cannot be recovered if it dies; it "
-                "keeps trying and takes its lease when Redis answers",
+                "worker %s cannot reach its ledger's Redis at %s (%s): it holds no lease, so it gives "
+                "the recoverable tasks it receives back to the broker for up to %gs, then runs them "
+                "unrecorded (they cannot be recovered if it dies); it keeps trying and takes its lease "
+                "when Redis answers",
                 self.node,
                 renewal.ledger_address(),
                 self._unreachable,
+                settings.LEDGER_HOLD_SECONDS,
             )
         elif self.leased or self._unprotected_since is None:
             self.renew()
