@@ -48,6 +48,12 @@ FIRST_HOLD_SECONDS = 0.05
 _refused_since: float | None = None
 _refused_last = 0.0  # the last refusal: one after a quiet gap of two heartbeats starts the count again
 _failing_open = False  # the hold ran out: said once per trouble
+# While the trouble is the worker's (no lease, writes refused), every delivery would be given back: each
+# waits first, this long (twice as long at each hand-back, up to a heartbeat, 0 again once one is
+# recorded), so that the worker keeps what it prefetched meanwhile instead of cycling the whole queue
+# through the broker; and it says so once, not once per task.
+_worker_wait = 0.0
+_worker_said = False
 
 # The mixin is typed as the Request it is mixed into (recoverable_request_class); it derives from object.
 if TYPE_CHECKING:
@@ -105,7 +111,7 @@ class AdmittedRequest(_Request):
             # nothing forfeits it later; but a copy a recovery has overtaken is still dropped, if Redis
             # answers.
             if _holding(heartbeat):
-                return self._orphans_hold("its worker holds no lease")
+                return self._orphans_hold("its worker holds no lease", worker_wide=True)
             entry = entry_for(self, heartbeat, "")
             return not self._orphans_overtaken(entry, boot_ledger(heartbeat), heartbeat.time_left())
         # The generation whose boot the entry names is the one stamped on the execution, whatever the
@@ -157,7 +163,7 @@ class AdmittedRequest(_Request):
             # can claim it from a refusing Redis either.
             _refused()
             if _holding(heartbeat):
-                return self._orphans_hold(f"its ledger refused the write ({exc})")
+                return self._orphans_hold(f"its ledger refused the write ({exc})", worker_wide=True)
             logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
             return not self._orphans_overtaken(entry, current, heartbeat.time_left())
         if admission.duplicate:
@@ -175,7 +181,8 @@ class AdmittedRequest(_Request):
             # written: no entry names a boot that gave the task up. Held as a refused write is, then it
             # runs unprotected, as fail open does (the script found it not stale).
             if _holding(heartbeat):
-                return self._orphans_hold("its boot's lease had lapsed when the write reached Redis")
+                why = "its boot's lease had lapsed when the write reached Redis"
+                return self._orphans_hold(why, worker_wide=True)
             logger.warning(
                 "cannot record %s[%s] in the ledger: its boot's lease lapsed before the write reached "
                 "Redis; it runs unprotected",
@@ -254,8 +261,10 @@ class AdmittedRequest(_Request):
             _refused()  # the next deliveries wait for their verdict, and are held while it is a refusal
 
     def _orphans_admitted(self, token: str, generation: int) -> None:
-        global _refused_since, _failing_open
+        global _refused_since, _failing_open, _worker_wait, _worker_said
         _held.pop(self.id, None)
+        if _worker_wait:
+            _worker_wait, _worker_said = 0.0, False
         if self._orphans_recorded and (_refused_since is not None or _failing_open):
             _refused_since, _failing_open = None, False
         self._orphans_token = token
@@ -278,16 +287,31 @@ class AdmittedRequest(_Request):
         self._already_revoked = True
         self.acknowledge()
 
-    def _orphans_hold(self, why: str) -> bool:
+    def _orphans_hold(self, why: str, *, worker_wide: bool = False) -> bool:
         """Give a message back to the broker, unrun, when its admission was not recorded: a message
         delivered before may have an earlier delivery's entry a sweep can recover the task from, and any
         delivery run unrecorded is lost, marked ``FAILURE``, if its worker dies. It is delivered again, and
-        admitted (or dropped as overtaken) once the ledger records it."""
+        admitted (or dropped as overtaken) once the ledger records it. ``worker_wide``: the trouble is the
+        worker's, not this message's (see ``_worker_wait``)."""
+        global _worker_wait, _worker_said
         wait = _held.get(self.id)
         if len(_held) >= _HELD_REMEMBERED:
             _held.clear()
-        _held[self.id] = min(settings.HEARTBEAT_SECONDS, 2 * wait) if wait else FIRST_HOLD_SECONDS
+        heartbeat_seconds = settings.HEARTBEAT_SECONDS
+        _held[self.id] = min(heartbeat_seconds, 2 * wait) if wait else FIRST_HOLD_SECONDS
         level = logging.DEBUG if wait else logging.WARNING
+        if worker_wide:
+            _worker_wait = min(heartbeat_seconds, 2 * _worker_wait) if _worker_wait else FIRST_HOLD_SECONDS
+            wait = max(wait or 0.0, _worker_wait)
+            if not _worker_said:
+                _worker_said = True
+                logger.warning(
+                    "cannot record deliveries in the ledger (%s): they go back to the broker unrun until "
+                    "they can be, for up to %gs of trouble (LEDGER_HOLD_SECONDS)",
+                    why,
+                    settings.LEDGER_HOLD_SECONDS,
+                )
+            level = logging.DEBUG
         logger.log(level, "gave %s[%s] back to the broker unrun: %s", self.name, self.id, why)
         task_ready(self)
         self._already_revoked = True
