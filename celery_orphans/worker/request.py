@@ -24,10 +24,12 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker import state
 from celery.worker.request import Request
 from celery.worker.state import task_ready
+from django.db import DatabaseError
 
 from celery_orphans import logs
 from celery_orphans.exceptions import ExecutionForfeit
 from celery_orphans.ledger import ledger_for
+from celery_orphans.recovery import rows
 from celery_orphans.worker import admission_line, forfeit, lifecycle, pool_loss
 from celery_orphans.worker.admission import AdmittedRequest
 from celery_orphans.worker.outbox import outbox
@@ -100,6 +102,7 @@ class RecoverableRequestMixin(AdmittedRequest):
                 # it back. A write Redis refused left nothing to mark as handed back.
                 if self._orphans_recorded is False:
                     self._orphans_token = None
+                _row_handed_back(self)
                 self.reject(requeue=True)
                 return
             self._orphans_refused = True
@@ -132,6 +135,20 @@ class RecoverableRequestMixin(AdmittedRequest):
             return
         super().reject(requeue)
         self._orphans_release()
+
+
+def _row_handed_back(request: RecoverableRequestMixin) -> None:
+    """Its row says ``STARTED`` while the broker has its message back and no entry is known to hold it: a
+    sweep would take it for a task running without an entry on a worker that answers without it, and mark
+    it ``FAILURE`` (revoking the copy the broker delivers next). It is moved to ``RETRY``, as a recovery
+    moves the row of the copy it sends; the next execution writes ``STARTED`` again."""
+    try:
+        rows.mark_retry(
+            request.id,
+            "handed back to the broker: its worker gave it up before its ledger entry was recorded",
+        )
+    except DatabaseError as exc:
+        logger.error("could not move the row of %s[%s] to RETRY: %s", request.name, request.id, exc)
 
 
 def _time_left() -> float | None:
