@@ -248,7 +248,11 @@ class AdmittedRequest(_Request):
             outbox.settle()
             if self._orphans_recorded:
                 return self._orphans_given_up_meanwhile()
-            return True  # nothing recorded (refused, or its boot's lease had lapsed): it runs unprotected
+            # Nothing recorded (refused, or its boot's lease had lapsed): held as any delivery that cannot
+            # be recorded, then it runs unprotected.
+            if _holding(heartbeat):
+                return self._orphans_hold("its boot was given up as its entry was sent", worker_wide=True)
+            return True
         self._orphans_admitted(entry.token, generation)
         if entry.delivery.retries == 0 and entry.delivery.attempt == 0:
             # The caller's message, never delivered before: no execution of it can have saved one.
