@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import pytest
+from django_celery_results.models import TaskResult
 
 from celery_orphans.models import OrphanEvent
 from celery_orphans.worker.admission_line import ADMISSION_CLIENT_NAME
@@ -193,3 +194,40 @@ def test_a_task_delivered_while_the_ledger_refuses_writes_runs_unprotected_once_
     assert starts(result.id) == 1
     assert ran_after >= hold - 1, ran_after  # the renewal met the refusal at most a heartbeat before
     report("refused writes, hold of 3 s", ran_after_seconds=ran_after)
+
+
+@pytest.mark.usefixtures("redis_client")
+def test_an_execution_given_up_before_its_refused_entry_was_answered_goes_back_with_its_row_out_of_started(
+    workers: Any, ledger_redis: Any
+) -> None:
+    """A first delivery received as the ledger turns read-only is sent to the pool before Redis refuses
+    its entry; the boot is given up, the execution stopped, and the message goes back to the broker. Its
+    row said ``STARTED`` meanwhile, with no entry: once writes came back, a sweep marked it ``FAILURE``
+    (the worker answered without the task) and the copy the broker delivered next was dropped. Now the row
+    says ``RETRY`` until that copy runs."""
+    from demoapp.tasks import summarize
+
+    worker = workers.start("refused-row@test", env=ledger_env(ledger_redis), queues=("refused",))
+    ledger_redis.refuse_writes("readonly")  # OOM would let the admission's write through (it deletes first)
+    result = summarize.apply_async(([2, 3],), {"seconds": 4}, queue="refused")
+    wait_for(lambda: "gives up its boot" in worker.log(), 15, "the boot to be given up", interval=0.05)
+    time.sleep(1)  # the forfeit's hand-back has happened by now
+    ran = starts(result.id)
+    row = TaskResult.objects.filter(task_id=result.id).first()
+    status_while_refused = row.status if row is not None else "none"
+    ledger_redis.accept_writes()
+    swept = [sweep_now() for _ in range(2)]
+    marked = [o.decision.action.value for s in swept for o in s.outcomes if o.decision.task_id == result.id]
+    assert result.get(timeout=30) == 5
+    report(
+        "execution given up before its refused entry was answered",
+        started_before_the_give_up=ran,
+        row_while_refused=status_while_refused,
+        sweep_decisions=",".join(marked) or "none",
+        finishes=finishes(result.id),
+    )
+    if ran:  # the usual case: it reached the pool before the renewal met the refusal
+        assert status_while_refused == "RETRY", status_while_refused
+    assert marked == [], marked
+    assert finishes(result.id) == 1
+    assert not OrphanEvent.objects.filter(task_id=result.id, action="marked_terminal").exists()
