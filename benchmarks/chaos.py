@@ -59,6 +59,7 @@ from celery import shared_task
 from celery.signals import task_success
 
 from celery_orphans import recoverable
+from celery_orphans.signals import orphan_recovered
 
 if TYPE_CHECKING:
     from benchmarks.nemesis import Nemesis
@@ -67,6 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ROOT / "testproject"
 TASK = "chaos.work"
 RUNS_KEY = "chaos:runs:{}"
+RECOVERIES_KEY = "chaos:recoveries:{}"
 # An execution whose body finished but whose process was killed within this long after, before its
 # result was stored, was lost to the kill: the task rightly runs again.
 LOST_AFTER_FINISH_SECONDS = 5.0
@@ -142,11 +144,22 @@ def _stored(sender: Any = None, **kwargs: Any) -> None:
         _record(sender.request, "stored")
 
 
+def _recovered(sender: Any = None, **kwargs: Any) -> None:
+    """``orphan_recovered``: a recovery was sent, stamped by the Redis server's clock as the runs are. The
+    audit row's time is the clock of the process that recorded it, which a clock step of the nemesis moves:
+    a recovery recorded by a worker stepped 21 s behind looked 21 s older than the start of the very
+    copy it recovered, which then counted as a stale copy run after its recovery."""
+    if kwargs.get("task_name") == TASK and kwargs.get("task_id"):
+        record = {"event": "recovered", "attempt": kwargs.get("attempt"), "evidence": kwargs.get("evidence")}
+        _runs_redis().eval(STAMP, 1, RECOVERIES_KEY.format(kwargs["task_id"]), json.dumps(record))
+
+
 if __name__ != "__main__":
     # Run as a script, this file is __main__: main() sets Django up, then imports it as benchmarks.chaos,
     # so the task is bound to the test project's Celery app rather than to a default app made too early.
     work = recoverable(max_attempts=10)(shared_task(bind=True, name=TASK)(_work))
     task_success.connect(_stored, dispatch_uid="chaos.stored")
+    orphan_recovered.connect(_recovered, dispatch_uid="chaos.recovered")
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -326,12 +339,20 @@ class Execution:
         ended = self.finish["at"] if self.finish else float("inf")
         return any(n == node and began - 1 <= at <= ended + 1 for n, at in give_ups)
 
-    def live_until(self, kills: list[Kill], pauses: list[Pause], fence: float) -> float:
-        """Until when it was a live execution: its end, its kill, or its fence once its worker stopped."""
-        pid, began = self.start["pid"], self.start["at"]
+    def live_until(
+        self, kills: list[Kill], pauses: list[Pause], fence: float, give_ups: list[tuple[str, float]]
+    ) -> float:
+        """Until when it was a live execution: its end, its kill, its fence once its worker stopped, or its
+        worker's give-up of its boot (its pool process is killed at that instant; the log's time is the
+        worker's clock, so a second of slack, as ``given_up_by`` allows). Without the give-ups, an
+        execution stopped by a give-up no fault of the run explains (a pool process forked after the fault
+        struck, a renewal late under load) stayed live for ever, and its recovery counted as a start
+        beside it."""
+        pid, node, began = self.start["pid"], self.start["node"], self.start["at"]
         ends = [e["at"] for e in (self.stored, self.finish) if e is not None]
         ends += [k.at for k in kills if pid in k.pids and k.at >= began]
         ends += [max(p.at, began) + fence for p in pauses if pid in p.pids and began <= p.until]
+        ends += [at + 1 for n, at in give_ups if n == node and at >= began - 1]
         return min(ends, default=float("inf"))
 
 
@@ -485,6 +506,15 @@ def analyse(
         # counts carries its old attempt and is the current one, not a stale one.
         if action == "recovered" and evidence != Evidence.BROKER_REDELIVERED:
             recoveries.setdefault(task_id, []).append((attempt or 0, created.timestamp()))
+    # When each recovery was sent by the Redis server's clock, where its signal recorded it: the audit's
+    # times come from clocks the nemesis may have stepped.
+    for task_id in list(recoveries):
+        stamped = [parse_record(raw) for raw in conn.lrange(RECOVERIES_KEY.format(task_id), 0, -1)]
+        sent = [
+            (int(r["attempt"] or 0), r["at"]) for r in stamped if r["evidence"] != Evidence.BROKER_REDELIVERED
+        ]
+        if len(sent) == len(recoveries[task_id]):
+            recoveries[task_id] = sent
     rows = TaskResult.objects.filter(task_id__in=ids, status="SUCCESS").values_list("task_id", "result")
     stored = {task_id: stored_runner(result) for task_id, result in rows}
     finished: Counter[int] = Counter()
@@ -514,7 +544,7 @@ def analyse(
             s
             for s in runs
             for e in runs
-            if e is not s and e.start["at"] <= s.start["at"] < e.live_until(kills, pauses, fence)
+            if e is not s and e.start["at"] <= s.start["at"] < e.live_until(kills, pauses, fence, give_ups)
         ]
         live_duplicates += len(overlaps)
         explained += len(lost)
