@@ -8,20 +8,14 @@ there. A first-hand delivery needs neither check, and its write goes out without
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.state import task_ready
-from kombu.asynchronous import get_event_loop
-from kombu.utils.compat import detect_environment
 
 from celery_orphans import logs
-from celery_orphans.conf import settings
 from celery_orphans.decision import Evidence
 from celery_orphans.entry import HEADER, Entry
 from celery_orphans.ledger import Ledger, Terms
@@ -30,30 +24,11 @@ from celery_orphans.worker.admission_line import admit
 from celery_orphans.worker.checkpoint import NO_CHECKPOINT
 from celery_orphans.worker.forfeit import GENERATION
 from celery_orphans.worker.heartbeat import Heartbeat
+from celery_orphans.worker.hold import holds, later
 from celery_orphans.worker.outbox import outbox
 from celery_orphans.worker.takeover import boot_ledger, entry_for
 
 logger = logs.get(__name__)
-
-# Tasks this process gave back to the broker unrun (``_orphans_hold``), each with how long its next hand-back
-# waits: a message given back is often delivered again at once, so only its first hold is a warning, and
-# each hand-back after it waits on the event loop twice as long as the last, up to a heartbeat, so that a
-# ledger that fails at once (a refused connection) does not have the broker deliver it in a tight loop.
-_held: dict[str, float] = {}
-_HELD_REMEMBERED = 1000
-FIRST_HOLD_SECONDS = 0.05
-# Since when (time.monotonic()) the ledger has refused this process's entries, none recorded since: the
-# heartbeat's renewal meets a refusal up to a heartbeat later. With the heartbeat's own trouble, it is how
-# long a delivery that cannot be recorded is held (``LEDGER_HOLD_SECONDS``).
-_refused_since: float | None = None
-_refused_last = 0.0  # the last refusal: one after a quiet gap of two heartbeats starts the count again
-_failing_open = False  # the hold ran out: said once per trouble
-# While the trouble is the worker's (no lease, writes refused), every delivery would be given back: each
-# waits first, this long (twice as long at each hand-back, up to a heartbeat, 0 again once one is
-# recorded), so that the worker keeps what it prefetched meanwhile instead of cycling the whole queue
-# through the broker; and it says so once, not once per task.
-_worker_wait = 0.0
-_worker_said = False
 
 # The mixin is typed as the Request it is mixed into (recoverable_request_class); it derives from object.
 if TYPE_CHECKING:
@@ -110,7 +85,7 @@ class AdmittedRequest(_Request):
             # open: the task runs unrecorded, and no generation that does not hold is stamped on it, so
             # nothing forfeits it later; but a copy a recovery has overtaken is still dropped, if Redis
             # answers.
-            if _holding(heartbeat):
+            if holds.holding(heartbeat):
                 return self._orphans_hold("its worker holds no lease", worker_wide=True)
             entry = entry_for(self, heartbeat, "")
             return not self._orphans_overtaken(entry, boot_ledger(heartbeat), heartbeat.time_left())
@@ -128,7 +103,7 @@ class AdmittedRequest(_Request):
         # Without waiting only while the lease is being renewed: a ledger that stopped answering or
         # refuses writes is noticed at the next renewal, and from then on no delivery is stamped with a
         # generation before its entry is known to be recorded.
-        if redelivery.first_hand(self) and heartbeat.answered and _refused_since is None:
+        if redelivery.first_hand(self) and heartbeat.answered and holds.refused_since is None:
             sent = self._orphans_send(current, entry, lease, heartbeat, generation)
             if sent is not None:
                 return sent
@@ -161,8 +136,8 @@ class AdmittedRequest(_Request):
             # Refused (OOM, READONLY, MISCONF): nothing was written. Held while the trouble is young;
             # then fail open: the task runs, it just cannot be recovered if this worker dies, and no sweep
             # can claim it from a refusing Redis either.
-            _refused()
-            if _holding(heartbeat):
+            holds.refused()
+            if holds.holding(heartbeat):
                 return self._orphans_hold(f"its ledger refused the write ({exc})", worker_wide=True)
             logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
             return not self._orphans_overtaken(entry, current, heartbeat.time_left())
@@ -180,7 +155,7 @@ class AdmittedRequest(_Request):
             # Its write reached Redis after the boot's lease had lapsed (held up on the way) and was not
             # written: no entry names a boot that gave the task up. Held as a refused write is, then it
             # runs unprotected, as fail open does (the script found it not stale).
-            if _holding(heartbeat):
+            if holds.holding(heartbeat):
                 why = "its boot's lease had lapsed when the write reached Redis"
                 return self._orphans_hold(why, worker_wide=True)
             logger.warning(
@@ -250,7 +225,7 @@ class AdmittedRequest(_Request):
                 return self._orphans_given_up_meanwhile()
             # Nothing recorded (refused, or its boot's lease had lapsed): held as any delivery that cannot
             # be recorded, then it runs unprotected.
-            if _holding(heartbeat):
+            if holds.holding(heartbeat):
                 return self._orphans_hold("its boot was given up as its entry was sent", worker_wide=True)
             return True
         self._orphans_admitted(entry.token, generation)
@@ -262,15 +237,10 @@ class AdmittedRequest(_Request):
     def _orphans_answered(self, recorded: bool) -> None:
         self._orphans_recorded = recorded
         if not recorded:
-            _refused()  # the next deliveries wait for their verdict, and are held while it is a refusal
+            holds.refused()  # the next deliveries wait for their verdict, and are held while it is a refusal
 
     def _orphans_admitted(self, token: str, generation: int) -> None:
-        global _refused_since, _failing_open, _worker_wait, _worker_said
-        _held.pop(self.id, None)
-        if _worker_wait:
-            _worker_wait, _worker_said = 0.0, False
-        if self._orphans_recorded and (_refused_since is not None or _failing_open):
-            _refused_since, _failing_open = None, False
+        holds.recorded(self.id, answered=bool(self._orphans_recorded))
         self._orphans_token = token
         # The execution holds only while this boot's lease does; the pool process reads it there.
         self._orphans_generation = self.request_dict[GENERATION] = generation
@@ -292,87 +262,12 @@ class AdmittedRequest(_Request):
         self.acknowledge()
 
     def _orphans_hold(self, why: str, *, worker_wide: bool = False) -> bool:
-        """Give a message back to the broker, unrun, when its admission was not recorded: a message
-        delivered before may have an earlier delivery's entry a sweep can recover the task from, and any
-        delivery run unrecorded is lost, marked ``FAILURE``, if its worker dies. It is delivered again, and
-        admitted (or dropped as overtaken) once the ledger records it. ``worker_wide``: the trouble is the
-        worker's, not this message's (see ``_worker_wait``)."""
-        global _worker_wait, _worker_said
-        wait = _held.get(self.id)
-        if len(_held) >= _HELD_REMEMBERED:
-            _held.clear()
-        heartbeat_seconds = settings.HEARTBEAT_SECONDS
-        _held[self.id] = min(heartbeat_seconds, 2 * wait) if wait else FIRST_HOLD_SECONDS
-        level = logging.DEBUG if wait else logging.WARNING
-        if worker_wide:
-            _worker_wait = min(heartbeat_seconds, 2 * _worker_wait) if _worker_wait else FIRST_HOLD_SECONDS
-            wait = max(wait or 0.0, _worker_wait)
-            if not _worker_said:
-                _worker_said = True
-                logger.warning(
-                    "cannot record deliveries in the ledger (%s): they go back to the broker unrun until "
-                    "they can be, for up to %gs of trouble (LEDGER_HOLD_SECONDS)",
-                    why,
-                    settings.LEDGER_HOLD_SECONDS,
-                )
-            level = logging.DEBUG
-        logger.log(level, "gave %s[%s] back to the broker unrun: %s", self.name, self.id, why)
+        """Give a message back to the broker, unrun, when its admission was not recorded (``hold.py``). It
+        is delivered again, and admitted (or dropped as overtaken) once the ledger records it.
+        ``worker_wide``: the trouble is the worker's, not this message's."""
+        wait = holds.wait_before(self.name, self.id, why, worker_wide=worker_wide)
         task_ready(self)
         self._already_revoked = True
-        if not wait or not _later(wait, self.reject, True):
+        if not wait or not later(wait, self.reject, True):
             self.reject(requeue=True)
         return False
-
-
-def _refused() -> None:
-    """The ledger refused an entry of this process (from the main loop or the outbox's thread)."""
-    global _refused_since, _refused_last
-    now = time.monotonic()
-    if _refused_since is None or now - _refused_last > 2 * settings.HEARTBEAT_SECONDS:
-        _refused_since = now
-    _refused_last = now
-
-
-def _holding(heartbeat: Heartbeat) -> bool:
-    """Whether a delivery that cannot be recorded goes back to the broker unrun: while this worker's
-    trouble with its ledger (its renewals unanswered or refused, no lease held, its entries refused) is
-    younger than ``LEDGER_HOLD_SECONDS``. Past it the delivery runs unprotected (fail open), so that a long
-    outage does not stop the work."""
-    global _failing_open
-    refused = 0.0 if _refused_since is None else time.monotonic() - _refused_since
-    lasted = max(heartbeat.trouble_seconds(), refused)
-    limit = settings.LEDGER_HOLD_SECONDS
-    if lasted < limit:
-        _failing_open = False
-        return True
-    if not _failing_open:
-        _failing_open = True
-        logger.warning(
-            "worker %s cannot record its deliveries in the ledger for %.1fs (LEDGER_HOLD_SECONDS is %g): "
-            "the recoverable tasks it receives run unprotected until its ledger records them again",
-            heartbeat.node,
-            lasted,
-            limit,
-        )
-    return False
-
-
-def _later(seconds: float, call: Callable[..., object], *args: object) -> bool:
-    """Call ``call(*args)`` in ``seconds`` on the worker's main loop without holding it up: its event loop,
-    or a greenlet on the gevent and eventlet pools, which have none; ``False`` where neither is found."""
-    hub = get_event_loop()
-    if hub is not None:
-        hub.call_later(seconds, call, *args)
-        return True
-    environment = detect_environment()
-    if environment == "gevent":
-        import gevent  # type: ignore[import-untyped]
-
-        gevent.spawn_later(seconds, call, *args)
-        return True
-    if environment == "eventlet":
-        import eventlet  # type: ignore[import-untyped]
-
-        eventlet.spawn_after(seconds, call, *args)
-        return True
-    return False
