@@ -18,14 +18,11 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from django.conf import settings as django_settings
 from django.core import signing
-from django.utils.crypto import salted_hmac
-from django.utils.encoding import force_bytes
 from kombu.utils.json import JSONEncoder, object_hook
 
-from celery_orphans.conf import settings
 from celery_orphans.rules import SAFE_CONTENT_TYPES
+from celery_orphans.seal import signer
 
 HEADER = "celery_orphans"
 ENTRY_VERSION = 1
@@ -112,45 +109,10 @@ class Entry:
         )
 
 
-# Salts the signing key, so a tag made for anything else Django signs with the same key never matches.
-SALT = "celery_orphans.ledger.entry"
 FORGED = (
     "its authentication tag does not match: the entry was not written by a worker holding the signing key "
     "(forged or altered in Redis, or sealed with a key that is no longer configured); never sent again"
 )
-
-
-def signer() -> signing.Signer:
-    """What seals and opens entries: ``SIGNING_KEY`` and its fallbacks, else ``SECRET_KEY`` and its.
-
-    It reads the settings when it is built: a reader of many entries builds one and opens them all with
-    it (``parse``), rather than read the settings once per entry."""
-    key = settings.SIGNING_KEY
-    fallbacks: list[bytes | str] = [*settings.SIGNING_KEY_FALLBACKS]
-    if key is None:
-        key = django_settings.SECRET_KEY
-        fallbacks += getattr(django_settings, "SECRET_KEY_FALLBACKS", [])
-    return _Signer(key=key, fallback_keys=fallbacks, salt=SALT)
-
-
-class _Signer(signing.Signer):
-    """Django's ``Signer``, tags and checks unchanged, that derives each key's HMAC key once, not once per
-    tag: every entry's tag is still computed and compared (in constant time, by ``unsign``)."""
-
-    def __init__(self, *, key: bytes | str, fallback_keys: list[bytes | str], salt: str) -> None:
-        super().__init__(key=key, fallback_keys=fallback_keys, salt=salt, algorithm="sha256")
-        self._key_salt = salt + "signer"  # as Signer.signature salts it
-        self._macs: dict[bytes | str, Any] = {}
-
-    def signature(self, value: bytes | str, key: bytes | str | None = None) -> str:
-        key = key or self.key
-        mac = self._macs.get(key)
-        if mac is None:
-            # salted_hmac over no message: the derived key's HMAC state, copied for each tag.
-            mac = self._macs[key] = salted_hmac(self._key_salt, b"", key, algorithm="sha256")
-        mac = mac.copy()
-        mac.update(force_bytes(value))
-        return signing.b64_encode(mac.digest()).decode()
 
 
 # kombu's types in the headers (a datetime, say) come back as they went in, so the message is sent again

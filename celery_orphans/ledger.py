@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from celery_orphans import scripts
-from celery_orphans.entry import Entry, Unreadable, parse, signer
+from celery_orphans.entry import Entry, Unreadable, parse
 from celery_orphans.replies import NO_FENCE, fence_of
 from celery_orphans.replies import Admission as Admission
 from celery_orphans.replies import Fence as Fence
 from celery_orphans.replies import Lift as Lift
 from celery_orphans.replies import admission as admission
+from celery_orphans.seal import signer
 from celery_orphans.store import Keys, client
 
 if TYPE_CHECKING:

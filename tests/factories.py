@@ -16,8 +16,9 @@ from django.utils import timezone
 from django_celery_results.models import TaskResult
 from kombu.serialization import dumps
 
-from celery_orphans.entry import HEADER, Delivery, Entry, signer
+from celery_orphans.entry import HEADER, Delivery, Entry
 from celery_orphans.ledger import Ledger
+from celery_orphans.seal import signer
 from celery_orphans.store import Keys, client
 
 GHOST = "ghost@test"

@@ -17,13 +17,13 @@ from celery_orphans.entry import (
     ENTRY_VERSION,
     FORGED,
     HEADER,
-    SALT,
     Entry,
     Unreadable,
     delivery_from_message,
     recovery_attempt,
 )
 from celery_orphans.ledger import Ledger
+from celery_orphans.seal import SALT
 from tests.factories import sealed, work_delivery, work_entry
 
 _DROP = object()
