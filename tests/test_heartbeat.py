@@ -14,14 +14,13 @@ from typing import Any
 
 import pytest
 import redis
-from celery.concurrency import get_implementation
 from django.conf import settings as django_settings
 from pytest_django import Settings
 
 from celery_orphans.conf import settings as orphans_settings
 from celery_orphans.leases import fresh_boots
 from celery_orphans.store import Keys
-from celery_orphans.worker import forfeit, heartbeat, lifecycle
+from celery_orphans.worker import forfeit, lifecycle
 from tests.helpers import MakeHeartbeat, boots_of, exit_code_of, lease_key, started_on, wait_for
 from tests.services import RedisServer, TcpProxy
 from tests.workers import WorkerPool
@@ -389,13 +388,3 @@ def test_a_worker_that_cannot_reach_its_ledger_at_start_holds_or_runs_tasks_unre
     assert f"cannot reach its ledger's Redis at 127.0.0.1:{proxy.port} (" in said
     for noise in ("pw-s3cret", "Traceback", "Exception in thread", "cannot renew", "cannot record demoapp"):
         assert noise not in log
-
-
-@pytest.mark.parametrize(
-    ("pool", "stoppable"),
-    [("prefork", True), ("gevent", True), ("eventlet", True), ("solo", False), ("threads", False)],
-)
-def test_which_pools_can_stop_a_running_execution(pool: str, stoppable: bool) -> None:
-    assert heartbeat.stoppable(pool) is stoppable
-    if pool in ("prefork", "solo", "threads"):  # the green pools' modules need their event loops
-        assert heartbeat.stoppable(get_implementation(pool)) is stoppable

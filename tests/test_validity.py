@@ -8,9 +8,10 @@ import threading
 from typing import Any
 
 import pytest
+from celery.concurrency import get_implementation
 
 from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
-from celery_orphans.worker import clock, forfeit
+from celery_orphans.worker import clock, forfeit, validity
 from celery_orphans.worker.validity import Validity
 from tests.helpers import wait_for
 
@@ -144,3 +145,13 @@ def test_an_ending_execution_does_not_wait_where_the_clock_gives_executions_up()
 
     assert not forfeit.settled(1, timeout=5)
     assert clock.now() - begun < 0.1
+
+
+@pytest.mark.parametrize(
+    ("pool", "stoppable"),
+    [("prefork", True), ("gevent", True), ("eventlet", True), ("solo", False), ("threads", False)],
+)
+def test_which_pools_can_stop_a_running_execution(pool: str, stoppable: bool) -> None:
+    assert validity.stoppable(pool) is stoppable
+    if pool in ("prefork", "solo", "threads"):  # the green pools' modules need their event loops
+        assert validity.stoppable(get_implementation(pool)) is stoppable

@@ -18,7 +18,7 @@ only hand its task to another worker while its body runs on. There the instant p
 by itself: the heartbeat asks Redis at once, and the generation holds again if its lease is still there
 (no sweep can have judged the boot while it is), or is given up if it is gone or Redis cannot say. An
 execution that ends meanwhile waits for that answer (``settled``). The heartbeat makes that choice
-(``heartbeat.stoppable``) and publishes it with each instant.
+(``validity.stoppable``) and publishes it with each instant.
 
 The instant is kept in memory shared with the pool processes (``_validity``), so a pool process checks it
 without a round trip and without waiting for the main process: a worker thawed after SIGSTOP finds its

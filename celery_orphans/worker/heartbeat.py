@@ -25,25 +25,13 @@ from celery_orphans.conf import settings
 from celery_orphans.worker import clock, renewal
 from celery_orphans.worker.presence import Presence
 from celery_orphans.worker.renewal import Renewals
-from celery_orphans.worker.validity import Validity
+from celery_orphans.worker.validity import Validity, stoppable
 
 logger = logs.get(__name__)
 WATCH_LIMIT = 16  # lapsed boots a renewal reports at most; the next renewals report the rest
 # While no lease holds, the next try comes this soon, then twice as late each time, up to a heartbeat:
 # a ledger that comes back is used within a heartbeat, as a renewal after an outage would be.
 FIRST_RETRY_SECONDS = 0.25
-# The pools whose executions run in the worker's own threads, by Celery's names for them and their classes.
-UNSTOPPABLE_POOLS = frozenset(
-    {"solo", "threads", "celery.concurrency.solo:TaskPool", "celery.concurrency.thread:TaskPool"}
-)
-
-
-def stoppable(pool_cls: Any) -> bool:
-    """Whether a worker running ``pool_cls`` (a class or Celery's name for one) can stop a running
-    execution: not on the solo and threads pools, whose executions run in the worker's own threads."""
-    if not isinstance(pool_cls, str):  # a name is not imported: a green pool's module needs its event loop
-        pool_cls = f"{getattr(pool_cls, '__module__', '')}:{getattr(pool_cls, '__qualname__', '')}"
-    return pool_cls not in UNSTOPPABLE_POOLS
 
 
 class Heartbeat:
@@ -65,10 +53,8 @@ class Heartbeat:
         """``pool``: the worker's pool class, or Celery's name for it (prefork if ``None``); whether it can
         stop a running execution (``stoppable``) decides what the instant passing does (``Validity``)."""
         self.node = node
-        # Its records are dropped by the heartbeat's thread, so a sweep need not wait for them to lapse.
-        self._given_up: list[str] = []
-        self._wake = threading.Event()  # a renewal now: the presence connection was made, or, unless
-        # stoppable, the validity ran out
+        self._given_up: list[str] = []  # boots whose records its thread drops: no sweep waits them out
+        self._wake = threading.Event()  # a renewal now: presence connected, or (unstoppable) validity ended
         can_stop = stoppable(pool or "prefork")
         self.validity = Validity(
             node,
@@ -94,9 +80,7 @@ class Heartbeat:
         self._failing = False
         self._retry = min(FIRST_RETRY_SECONDS, self.interval)  # the wait before the next try, no lease held
         self._unprotected_since: float | None = None  # time.monotonic(): its first lease not yet taken
-        # time.monotonic(): since when its renewals (or its tries to take the first lease) go unanswered or
-        # are refused, until one comes back; how long a delivery may be held for it (``trouble_seconds``).
-        self._trouble_since: float | None = None
+        self._trouble_since: float | None = None  # time.monotonic(): see trouble_seconds
         self._unreachable: str | None = None  # why take() could not reach Redis, until start() says it
         self._when_taken: list[Callable[[], None]] = []
         self._taking = threading.Lock()  # between when_taken() and the thread that takes the first lease
@@ -131,10 +115,8 @@ class Heartbeat:
         return not self._failing
 
     def trouble_seconds(self) -> float:
-        """How long this worker's trouble with its ledger has lasted: since the first renewal (or try to
-        take its first lease) that went unanswered or was refused, none answered since; 0 without trouble.
-        Measured here, once for the worker, not per message: a delivery held for it (``admission.py``)
-        runs unprotected once it has lasted ``LEDGER_HOLD_SECONDS``."""
+        """How long this worker's renewals (or tries to take its first lease) have gone unanswered or been
+        refused, none answered since; 0 without trouble. Deliveries are held for it (``hold.py``)."""
         since = self._trouble_since
         return 0.0 if since is None else time.monotonic() - since
 

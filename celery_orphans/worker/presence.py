@@ -70,7 +70,7 @@ def early_seconds(stoppable: bool = True) -> float:
     margin (``conf.Settings.lease_margin``) less the clock skew and the forfeit's latency, which it keeps
     as slack. Its presence lost is not judged sooner: a live worker stalled while Redis's end of its
     connection was closed has stopped its executions by then. Not at all where its pool cannot stop them
-    (``heartbeat.stoppable``): its lease's end alone tells."""
+    (``validity.stoppable``): its lease's end alone tells."""
     return float(settings.HEARTBEAT_SECONDS) if stoppable else 0.0
 
 

@@ -20,12 +20,26 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from celery_orphans import logs
 from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
 from celery_orphans.worker import clock, forfeit
 
 logger = logs.get(__name__)
+
+# The pools whose executions run in the worker's own threads, by Celery's names for them and their classes.
+UNSTOPPABLE_POOLS = frozenset(
+    {"solo", "threads", "celery.concurrency.solo:TaskPool", "celery.concurrency.thread:TaskPool"}
+)
+
+
+def stoppable(pool_cls: Any) -> bool:
+    """Whether a worker running ``pool_cls`` (a class or Celery's name for one) can stop a running
+    execution: not on the solo and threads pools, whose executions run in the worker's own threads."""
+    if not isinstance(pool_cls, str):  # a name is not imported: a green pool's module needs its event loop
+        pool_cls = f"{getattr(pool_cls, '__module__', '')}:{getattr(pool_cls, '__qualname__', '')}"
+    return pool_cls not in UNSTOPPABLE_POOLS
 
 
 class Validity:
