@@ -199,6 +199,12 @@ def sweep_until(task_id: str, *actions: Action, timeout: float = 20) -> sweep.Ou
     return wait_for(attempt, timeout, f"{task_id} to be {wanted}", interval=0.3)
 
 
+def dropped_a_stale_copy(log: str) -> bool:
+    """Whether a worker's log says it dropped a stale copy unrun: by its fence (a recovery sent a later
+    copy), or, for a redelivery, by its result row (the task already ended)."""
+    return "dropped a stale copy" in log or "dropped a redelivery" in log
+
+
 def starts(task_id: str) -> int:
     from demoapp.tasks import runs
 
