@@ -456,6 +456,7 @@ class TcpProxy:
         self._open: set[socket.socket] = set()
         self._links: list[_Link] = []
         self._changed = threading.Condition()
+        self._closed = False
         threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
 
     def url(self, db: int = 0) -> str:
@@ -496,6 +497,7 @@ class TcpProxy:
     def close(self) -> None:
         """Close every connection, chosen or not, and stop accepting."""
         with self._changed:
+            self._closed = True
             self.mode = Mode.CLOSE
             self._shut(*self._open)
             self._changed.notify_all()
@@ -531,6 +533,9 @@ class TcpProxy:
             except OSError:
                 return  # closed
             with self._changed:
+                if self._closed:  # accepted as the proxy closed: its far end would never be closed
+                    near.close()
+                    return
                 if self.mode is Mode.CLOSE and self.only is None:
                     near.close()
                     self.refused.append(time.monotonic())
