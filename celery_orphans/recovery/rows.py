@@ -139,15 +139,18 @@ def _unfinished(task_id: str) -> Any:
     return _results().objects.filter(task_id=task_id).exclude(status__in=states.READY_STATES)
 
 
+def _ended(task_id: str) -> Any:
+    return _results().objects.filter(task_id=task_id, status__in=states.READY_STATES)
+
+
 def finished(task_id: str) -> bool:
     """Whether the task's row says it ended (the worker wrote its outcome)."""
-    return bool(_results().objects.filter(task_id=task_id, status__in=states.READY_STATES).exists())
+    return bool(_ended(task_id).exists())
 
 
 def ended_as(task_id: str) -> str | None:
     """The state of the task's row if it says the task ended (``SUCCESS``, ``FAILURE``, ``REVOKED``)."""
-    ended = _results().objects.filter(task_id=task_id, status__in=states.READY_STATES)
-    status: str | None = ended.values_list("status", flat=True).first()
+    status: str | None = _ended(task_id).values_list("status", flat=True).first()
     return status
 
 
