@@ -32,6 +32,9 @@ class CeleryOrphansConfig(AppConfig):
         signals.worker_shutdown.connect(
             receivers.worker_shutdown, dispatch_uid="celery_orphans.worker_shutdown"
         )
+        # First of the receivers a project may add: a forfeit execution stores nothing, runs nothing.
+        signals.task_prerun.connect(receivers.task_prerun, dispatch_uid="celery_orphans.task_prerun")
+        signals.task_postrun.connect(receivers.task_postrun, dispatch_uid="celery_orphans.task_end")
         # A finished task's checkpoint goes; a Celery retry sends task_retry, never task_failure.
         signals.task_success.connect(checkpoint.on_task_success, dispatch_uid="celery_orphans.task_success")
         signals.task_failure.connect(checkpoint.on_task_failure, dispatch_uid="celery_orphans.task_failure")

@@ -88,6 +88,17 @@ def worker_ready(sender: Any = None, **kwargs: Any) -> None:
         )
 
 
+def task_prerun(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
+    """Before Celery stores ``STARTED`` and runs the body: a forfeit execution does neither."""
+    if task is not None:
+        forfeit.before_start(task)
+
+
+def task_postrun(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
+    if task is not None:
+        forfeit.after_run(task)
+
+
 def worker_shutdown(**kwargs: Any) -> None:
     outbox.flush()  # the entries of tasks acknowledged just before the shutdown
     lifecycle.stop()

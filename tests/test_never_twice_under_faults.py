@@ -9,6 +9,7 @@ window and prints it (``report``; FAULTS_REPORT=file.jsonl collects the figures)
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
@@ -20,7 +21,8 @@ from django_celery_results.models import TaskResult
 
 from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
 from celery_orphans.conf import settings as orphans_settings
-from celery_orphans.ledger import Ledger
+from celery_orphans.decision import Action
+from celery_orphans.ledger import Ledger, ledger_for
 from celery_orphans.models import OrphanEvent
 from celery_orphans.recovery import broker
 from celery_orphans.store import Keys, client
@@ -31,6 +33,7 @@ from tests.faults import (
     freeze,
     main_frozen,
     overlap,
+    pool_processes,
     quiet,
     report,
     report_no_overlap,
@@ -43,6 +46,7 @@ from tests.helpers import (
     started_on,
     starts,
     sweep_now,
+    sweep_until,
     task_on_a_doomed_worker,
     wait_for,
 )
@@ -394,6 +398,58 @@ def test_an_ignore_result_task_that_ran_to_its_end_is_not_recovered(workers: Any
 
     report("ignore_result: the ack after the fence", finishes=finishes(result.id), recoveries=recoveries)
     assert (finishes(result.id), recoveries) == (1, 0)
+
+
+def test_a_job_handed_to_the_pool_before_its_worker_froze_does_not_start_once_its_boot_was_given_up(
+    workers: Any,
+) -> None:
+    from demoapp.tasks import stored
+
+    doomed = workers.start("handed@test", queues=("handed",))
+    # Its pool process stopped first: the main process admits the delivery and hands it to the pool, where
+    # it waits, unread, while the whole worker is frozen past its lease.
+    pool = pool_processes(doomed)
+    freeze(pool)
+    result = tick_on("handed", 1)
+    wait_for(lambda: ledger_for().load([result.id])[result.id], 10, "its delivery to be admitted")
+    time.sleep(0.3)
+    freeze([doomed.pid])
+    processes = [doomed.pid, *pool]
+    stopped = time.time()
+    try:
+        sweep_until(result.id, Action.RECOVER)  # another worker's sweep: its row says RETRY
+        recovered_at = time.time()
+    finally:
+        thaw(processes)
+    thawed = time.time()
+    # Every state its row goes through until the recovered run ends, with the pid that wrote it.
+    seen: list[tuple[str, object]] = []
+
+    def ended() -> bool:
+        row = TaskResult.objects.filter(task_id=result.id).first()
+        if row is not None:
+            pid = json.loads(row.result or "null") if row.status == "STARTED" else None
+            state = (row.status, pid.get("pid") if isinstance(pid, dict) else None)
+            if not seen or seen[-1] != state:
+                seen.append(state)
+        return row is not None and row.status == "SUCCESS"
+
+    wait_for(ended, 30, f"{result.id} to end", interval=0.02)
+    found = quiet(result.id)
+    recovered_in = {e.pid for e in effects(result.id) if e.execution == found.executions[-1]}
+    stale_started = [state for state in seen if state[0] == "STARTED" and state[1] not in recovered_in]
+
+    report(
+        "a job handed to a frozen worker's pool",
+        recovered_after=recovered_at - stopped,
+        thawed_after_recovery=thawed - recovered_at,
+        starts=starts(result.id),
+        stale_started_rows=len(stale_started),
+        states=" > ".join(state for state, _ in seen),
+    )
+    assert (starts(result.id), stored(result.id), len(found.executions)) == (1, 1, 1)
+    assert not stale_started, seen
+    assert TaskResult.objects.get(task_id=result.id).status == "SUCCESS"
 
 
 @pytest.mark.faults

@@ -123,6 +123,37 @@ def refuse_if_forfeit(task: Task[Any, Any], what: str) -> None:
         raise ExecutionForfeit(message)
 
 
+class NotStarted(BaseException):
+    """A forfeit execution refused before it starts, where its process cannot be killed (the solo,
+    threads, gevent and eventlet pools). A ``BaseException``: Celery's signal dispatch lets it through,
+    and the pool hands it to the worker's main process as a lost execution (``WorkerLostError``), as it
+    does a killed green thread, so the task stays with its ledger entry."""
+
+
+def before_start(task: Task[Any, Any]) -> None:
+    """``task_prerun``, in the process that runs the execution, before Celery stores ``STARTED`` and runs
+    the body: an execution whose generation no longer holds (it waited for a pool process while its worker
+    was frozen, and its task may be recovered already) neither writes its row nor runs. A prefork pool
+    process kills itself, as its watchdog does, and is watched from now on; elsewhere the execution ends
+    here by ``NotStarted``."""
+    generation = getattr(task.request, GENERATION, None)
+    if not isinstance(generation, int):
+        return
+    if watchdog.watches():
+        watchdog.begin(generation, holds)
+        return
+    if is_forfeit(task.request):
+        message = f"{task.name}[{task.request.id}] was forfeit before it started: it is recovered instead"
+        logger.warning("%s", message)
+        raise NotStarted(message)
+
+
+def after_run(task: Task[Any, Any]) -> None:
+    """``task_postrun``: the execution is over; a prefork pool process stops watching it."""
+    if watchdog.watches():
+        watchdog.end()
+
+
 def guard_task(task: Task[Any, Any]) -> None:
     """Make ``task``'s body and ``retry`` refuse to finish for a forfeit execution."""
     if task.__dict__.get("_celery_orphans_guarded"):

@@ -55,6 +55,29 @@ def watching(generation: object) -> Iterator[None]:
             _running = None
 
 
+def watches() -> bool:
+    """Whether this process is a prefork pool process whose watchdog runs (``start``)."""
+    return _watcher == os.getpid()
+
+
+def begin(generation: int, holds: Callable[[int], bool]) -> None:
+    """Watch an execution of ``generation`` from before Celery stores its ``STARTED`` (``task_prerun``),
+    in a pool process that watches; kill this process now if the execution is forfeit already (a job
+    handed to the pool before its worker was frozen, and picked up after its boot was given up)."""
+    global _running
+    with _lock:
+        _running = generation
+    if not holds(generation) or _orphaned():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def end() -> None:
+    """The execution ended (``task_postrun``): nothing runs to watch until the next begins."""
+    global _running
+    with _lock:
+        _running = None
+
+
 def start(holds: Callable[[int], bool]) -> None:
     """Watch from now on, in this prefork pool process (``handover.initialize``): ``holds(generation)``
     says whether an execution of ``generation`` may go on (``forfeit.holds``)."""
