@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ import redis
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Ledger, ledger_for
 from celery_orphans.store import Keys
-from celery_orphans.worker.line import OUTBOX_CLIENT_NAME
+from celery_orphans.worker import lifecycle
+from celery_orphans.worker.line import OUTBOX_CLIENT_NAME, Write, redo
 from celery_orphans.worker.outbox import Outbox
 from tests.factories import work_entry
 from tests.helpers import exit_code_of, wait_for
@@ -340,3 +342,47 @@ def test_a_bounded_release_now_over_a_dark_link_leaves_the_removal_queued(dark_l
 
     proxy.restore()
     assert outbox.take(dark, 5) == [("done", "token")]  # for the next write, or the thread, to carry
+
+
+@dataclass
+class Validity:
+    """What the worker's heartbeat says is left of its boot's validity."""
+
+    left: float
+
+    def time_left(self) -> float:
+        return self.left
+
+
+def test_a_write_made_again_the_slow_way_is_recorded_within_the_boots_validity(
+    ledger: Ledger, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "current", lambda: Validity(1.0))
+    redis_client.script_flush()  # Redis lost its scripts: the write loads it again
+    answers: list[bool] = []
+    e = work_entry("t")
+
+    redo(ledger, Write(e, [], LEASE, answers.append))
+
+    assert answers == [True]
+    assert ledger.load(["t"])["t"] == e
+
+
+def test_a_write_made_again_over_a_dark_link_waits_no_longer_than_the_boots_validity(
+    dark_link: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dark, proxy = dark_link  # its client would wait 3 s for each try
+    monkeypatch.setattr(lifecycle, "current", lambda: Validity(0.3))
+    outbox = Outbox(delay=60)
+    outbox.admit(dark, work_entry("warm-up"), LEASE)
+    outbox.settle()
+    proxy.blackhole()
+    answers: list[bool] = []
+
+    started = time.monotonic()
+    redo(dark, Write(work_entry("t"), [], LEASE, answers.append))  # its line was lost
+    took = time.monotonic() - started
+
+    print(f"a write made again over a blackholed ledger gave up after {took:.2f} s")
+    assert answers == [False]  # not recorded: it runs unprotected, as a refused write does
+    assert took < 0.3 + 0.2, f"the write made again waited {took:.2f} s"

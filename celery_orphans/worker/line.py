@@ -13,6 +13,7 @@ import redis
 from celery_orphans import logs
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Admission, Ledger, Terms
+from celery_orphans.worker import admission_line, lifecycle
 
 if TYPE_CHECKING:
     from redis.connection import AbstractConnection
@@ -67,9 +68,18 @@ class Write:
 
 
 def redo(ledger: Ledger, write: Write) -> None:
-    """Make ``write`` again the slow way, waiting for its answer: its line was lost or Redis restarted."""
+    """Make ``write`` again the slow way, waiting for its answer: its line was lost or Redis restarted.
+
+    The wait is bounded by what is left of the boot's validity, as the main loop's other ledger calls
+    (``admission_line``): past it the lease may lapse, and a write that reached Redis then would be
+    refused anyway (the script finds the boot gone). A write with no answer in time is not recorded."""
+    terms = Terms(lease=write.lease)  # the terms it was sent with: made twice, it leaves the same entry
+    heartbeat = lifecycle.current()
     try:
-        answer = ledger.admit_delivery(write.entry, write.releases, Terms(lease=write.lease))
+        if heartbeat is None:  # a process without a heartbeat: the client's own timeouts
+            answer = ledger.admit_delivery(write.entry, write.releases, terms)
+        else:
+            answer = admission_line.admit(ledger, write.entry, write.releases, terms, heartbeat.time_left())
     except redis.RedisError as exc:
         not_recorded(write, exc)
         return
