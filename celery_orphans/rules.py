@@ -114,7 +114,8 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
     lease can lapse: ``worker/forfeit.py``), so no question need be asked. A task known from its result row
     alone may be run by any boot of its node name, or by a worker that holds no lease at all (fail open):
     that node's answer decides, and without one, its leases. A booting worker's own view is exact for
-    the earlier boots of its name.
+    the earlier boots of its name, but for one still alive by its lease: a twin of its name, which runs
+    what its entries name.
     """
     c, w = candidate, worker
     if c.lift_unused:
@@ -122,7 +123,12 @@ def judge(candidate: Candidate, worker: WorkerView) -> Evidence:
         # the boot it names (often alive: a pool process died under it) says of itself.
         return Evidence.CAP_LIFTED
     if w.at_boot:
-        return Evidence.WORKER_HOLDS_TASK if c.task_id in w.held else Evidence.FOUND_AT_BOOT
+        if c.task_id in w.held:
+            return Evidence.WORKER_HOLDS_TASK
+        # A boot its entry names that is alive by its lease runs it, though not this one: a twin of its name.
+        return (
+            Evidence.BOOT_ALIVE if c.boot is not None and c.boot in w.fresh_boots else Evidence.FOUND_AT_BOOT
+        )
     if c.boot is not None:
         if c.boot not in w.fresh_boots:
             if c.boot in w.exited_boots:

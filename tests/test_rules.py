@@ -36,8 +36,9 @@ BOOT = "boot-a"
 SILENT = WorkerView(replied=False)
 ANSWERED_EMPTY = WorkerView(replied=True)
 HOLDS = WorkerView(replied=True, held=frozenset({TASK}))
-AT_BOOT_EMPTY = WorkerView(replied=True, at_boot=True, fresh_boots=frozenset({BOOT}))
+AT_BOOT_EMPTY = WorkerView(replied=True, at_boot=True, fresh_boots=frozenset({"boot-b"}))  # the booting one
 AT_BOOT_HOLDS = WorkerView(replied=True, held=frozenset({TASK}), at_boot=True)
+AT_BOOT_TWIN = WorkerView(replied=True, at_boot=True, fresh_boots=frozenset({BOOT, "boot-b"}))
 
 
 def candidate(**overrides: Any) -> Candidate:
@@ -102,6 +103,12 @@ EXITED = WorkerView(replied=False, gone_boots=frozenset({BOOT}), exited_boots=fr
         pytest.param(BOOT, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="own-next-boot-lacks-it"),
         pytest.param(None, AT_BOOT_EMPTY, Evidence.FOUND_AT_BOOT, id="own-next-boot-lacks-it-no-boot"),
         pytest.param(BOOT, AT_BOOT_HOLDS, Evidence.WORKER_HOLDS_TASK, id="own-next-boot-holds-it"),
+        pytest.param(
+            BOOT, AT_BOOT_TWIN, Evidence.BOOT_ALIVE, id="own-next-boot-lacks-it-a-live-twin-runs-it"
+        ),
+        pytest.param(
+            None, AT_BOOT_TWIN, Evidence.FOUND_AT_BOOT, id="own-next-boot-lacks-it-no-boot-a-twin-up"
+        ),
         # A result row alone: the node's answer, and its leases when it is silent.
         pytest.param(None, HOLDS, Evidence.WORKER_HOLDS_TASK, id="row-only-replied-and-holds-it"),
         pytest.param(
@@ -790,6 +797,7 @@ VIEWS = [
     ANSWERED_EMPTY,
     AT_BOOT_HOLDS,
     AT_BOOT_EMPTY,
+    AT_BOOT_TWIN,
     WorkerView(replied=False, fresh_boots=frozenset({BOOT})),
     WorkerView(replied=False, fresh_boots=frozenset({"boot-b"})),
     SILENT,

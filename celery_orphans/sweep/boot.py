@@ -42,8 +42,11 @@ def sweep_at_boot(app: Celery | None, node: str, boot: str, booted_at: datetime)
         # Without pruning: the record of an earlier boot seen to exit is what lets the watch's sweep,
         # started at the same moment, judge that boot's tasks within their grace.
         others = leases.fresh_boots([node], prune=False).get(node, frozenset()) - {boot}
-        # A boot killed a moment ago still has a lease; a live twin renews its lease within a heartbeat.
-        others = leases.renewed_within(node, others, 2 * settings.HEARTBEAT_SECONDS + 0.5)
+        # A boot killed a moment ago still has a lease; a live twin renews it within a heartbeat, and a
+        # twin stalled meanwhile (a frozen process) renews it when it runs again, before it lapses. So
+        # each is watched until its lease is renewed or lapses (at once for a process seen to have exited
+        # on this machine): until then its tasks may be running.
+        others = leases.renewed_within(node, others, settings.LEASE_SECONDS + settings.HEARTBEAT_SECONDS)
         if others:
             logger.warning(
                 "another live worker holds the name %s (boots %s); two workers share a name, "

@@ -10,7 +10,7 @@ from typing import Any
 
 from celery import Celery, states
 
-from celery_orphans import endings, registry
+from celery_orphans import endings, leases, registry
 from celery_orphans.entry import Entry, Unreadable
 from celery_orphans.ledger import Fence, Ledger
 from celery_orphans.observations import Candidate, WorkerView
@@ -22,10 +22,12 @@ from celery_orphans.sweep.values import BootScope
 def own_tasks(
     app: Celery, ledger: Ledger, scope: BootScope
 ) -> tuple[list[Candidate], dict[str, Entry], dict[str, WorkerView]]:
-    """At boot: the tasks recorded under this node name before this boot began."""
+    """At boot: the tasks recorded under this node name before this boot began, and what this boot knows
+    of them: what it holds, and which boots of its name are alive by their leases (this one among them)."""
     found, entries = gather(app, ledger, scope.booted_at)
     candidates = [c for c in found if c.worker == scope.node]
-    view = WorkerView(replied=True, held=scope.held(), fresh_boots=frozenset({scope.boot}), at_boot=True)
+    alive = leases.fresh_boots([scope.node], ledger.client, prune=False).get(scope.node, frozenset())
+    view = WorkerView(replied=True, held=scope.held(), fresh_boots=alive | {scope.boot}, at_boot=True)
     return candidates, entries, {scope.node: view}
 
 
