@@ -262,11 +262,26 @@ def renewed_within(node: str, boots: Iterable[str], seconds: float) -> frozenset
     return frozenset(renewed)
 
 
+def record_exits(node: str, boots: Iterable[str], conn: redis.Redis[bytes] | None = None) -> None:
+    """Record the exit of each of ``boots`` whose lease names a process of this machine that has exited
+    (``record_exit``, as the watch does), so that its record says it is gone."""
+    conn = conn or client()
+    for boot, value in renewals(node, boots, conn).items():
+        process = _process(value) if value is not None else None
+        if process is not None and exited(process):
+            record_exit(node, boot, process, conn)
+
+
 def _provably_gone(value: bytes) -> bool:
     """A lease whose process, on this machine, has exited is a dead boot's."""
+    process = _process(value)
+    return process is not None and exited(process)
+
+
+def _process(value: bytes) -> Process | None:
+    """The process a lease names, if it can be told where."""
     try:
         lease = json.loads(value)
-        process = Process.parse(lease["machine"], lease["process"])
+        return Process.parse(lease["machine"], lease["process"])
     except (ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return process is not None and exited(process)
+        return None

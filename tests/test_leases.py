@@ -115,6 +115,21 @@ def test_renewed_within_does_not_wait_for_a_boot_whose_process_is_gone_from_this
     assert time.monotonic() - started < 1
 
 
+def test_record_exits_records_gone_a_boot_whose_process_exited_on_this_host_and_leaves_a_live_one(
+    make_heartbeat: MakeHeartbeat, short_lease: Settings, node: str
+) -> None:
+    short_lease.CELERY_ORPHANS_LEASE_SECONDS = 30
+    lease_of_exited_process(node, "dead")
+    live = make_heartbeat(node)
+    live.renew()
+    assert leases.boot_states([node], prune=False)[node].alive == {"dead", live.boot}  # its lease holds
+
+    leases.record_exits(node, ["dead", live.boot, "never-was"])
+
+    states = leases.boot_states([node], prune=False)[node]
+    assert (states.alive, states.exited) == ({live.boot}, {"dead"})
+
+
 @pytest.mark.parametrize(
     "lease",
     [

@@ -46,15 +46,18 @@ def sweep_at_boot(app: Celery | None, node: str, boot: str, booted_at: datetime)
         # twin stalled meanwhile (a frozen process) renews it when it runs again, before it lapses. So
         # each is watched until its lease is renewed or lapses (at once for a process seen to have exited
         # on this machine): until then its tasks may be running.
-        others = leases.renewed_within(node, others, settings.LEASE_SECONDS + settings.HEARTBEAT_SECONDS)
-        if others:
+        twins = leases.renewed_within(node, others, settings.LEASE_SECONDS + settings.HEARTBEAT_SECONDS)
+        if twins:
             logger.warning(
                 "another live worker holds the name %s (boots %s); two workers share a name, "
                 "so their tasks are left to the regular sweep",
                 node,
-                ", ".join(sorted(others)),
+                ", ".join(sorted(twins)),
             )
             return None
+        # A boot whose process was seen to exit on this machine is recorded gone, as the watch records it:
+        # its lease, which may not have lapsed yet, no longer keeps its tasks from this sweep.
+        leases.record_exits(node, others)
         scope = BootScope(node, boot, booted_at, _held_now)
         return Options(trigger=Trigger.WORKER_BOOT, grace_seconds=0, boot=scope)
 
