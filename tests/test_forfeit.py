@@ -77,6 +77,29 @@ def guarded(body: Any) -> Iterator[Any]:
         task.pop_request()
 
 
+@pytest.mark.parametrize("holds", [True, False])
+def test_an_execution_forfeit_before_it_starts_neither_runs_nor_writes_started(holds: bool) -> None:
+    # Celery's tracer, as a pool that cannot kill its process runs it (the solo, threads, gevent and
+    # eventlet pools): task_prerun comes before the STARTED write and the body.
+    from celery.app.trace import build_tracer
+
+    ran: list[str] = []
+    task = make_task(lambda: ran.append("body"))
+    task.track_started = True
+    stored: list[str] = []
+    task.backend.store_result = lambda task_id, meta, state, **kw: stored.append(state)
+    task.backend.mark_as_done = lambda *args, **kwargs: stored.append("SUCCESS")
+    trace = build_tracer(task.name, task, eager=False, propagate=True, app=task.app)
+    forfeit.hold_until(1, clock.now() + 60)
+    if not holds:
+        forfeit.withdraw(2)
+
+    with contextlib.nullcontext() if holds else pytest.raises(forfeit.NotStarted):
+        trace("t-1", (), {}, {forfeit.GENERATION: 1, "id": "t-1"})
+
+    assert (ran, stored) == ((["body"], ["STARTED", "SUCCESS"]) if holds else ([], []))
+
+
 def test_a_guarded_body_of_a_forfeit_execution_may_not_store_its_result():
     with guarded(lambda: "result") as task:
         forfeit.guard_task(task)  # guarding twice wraps once
