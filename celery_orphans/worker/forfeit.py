@@ -43,7 +43,7 @@ from celery.worker import state
 from celery_orphans import logs
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import ExecutionForfeit
-from celery_orphans.worker import clock, watchdog
+from celery_orphans.worker import clock, sockets, watchdog
 
 logger = logs.get(__name__)
 
@@ -54,11 +54,19 @@ GENERATION = "celery_orphans_generation"
 # [0]: until when (clock.now(), the same clock in every process) executions of generation [1] hold;
 # [2]: 1.0 if, that instant passed, they wait for the heartbeat's answer instead of being given up by the
 # clock (the solo and threads pools), 0.0 if the clock gives them up (every other pool, and a zeroed copy).
+# [3]: the instant (clock.now()) at which they stop holding because the main process's presence connection
+# was lost and not made again (``presence.py``), 0 while there is none;
+# [4]: the main process's last sign of life (clock.now()), written by its deadline thread (``validity.py``);
+# [5]: the inode of the presence connection's socket while the main process holds it, 0 otherwise.
 # Created when the worker imports its tasks, before the pool forks, so every forked pool process shares
 # it; billiard's, so that it can be handed to a spawned one (its memory is a file billiard passes on).
-_validity: Any = RawArray(ctypes.c_double, 3)
+_validity: Any = RawArray(ctypes.c_double, 6)
 
 SETTLE_POLL_SECONDS = 0.01
+# A main process silent this long is looked past: its presence socket's state is read from the kernel.
+MAIN_SILENT_SECONDS = 0.5
+# How often the kernel is asked meanwhile (a read of its TCP tables).
+SOCKET_CHECK_SECONDS = 0.25
 
 
 def shared() -> Any:
@@ -86,12 +94,71 @@ def withdraw(generation: int) -> None:
     # Until first: a reader takes the until, then the generation (see holds()).
     _validity[0] = 0.0
     _validity[1] = generation
+    _validity[3] = 0.0  # a new boot: its presence is recorded afresh, or not at all
 
 
 def holds(generation: int) -> bool:
     """Whether an execution admitted under ``generation`` may still finish."""
-    valid_until = _validity[0]
-    return bool(_validity[1] == generation and clock.now() < valid_until)
+    valid_until, presence_until = _validity[0], _validity[3]
+    now = clock.now()
+    return bool(_validity[1] == generation and now < valid_until and not 0.0 < presence_until <= now)
+
+
+def presence_lost(until: float) -> None:
+    """The main process's presence connection was lost: executions hold until ``until`` at the latest,
+    unless ``presence_kept`` comes first."""
+    _validity[3] = until
+
+
+def presence_kept() -> None:
+    """The presence connection lost was made again, or no sweep can judge the boot by it any more."""
+    _validity[3] = 0.0
+
+
+def presence_until() -> float:
+    """Until when executions hold for want of a presence connection; 0 while there is nothing to wait for."""
+    return float(_validity[3])
+
+
+def presence_socket(inode: int) -> None:
+    """The presence connection's socket is ``inode`` (0: none held, or none a pool process can watch)."""
+    _validity[5] = float(inode)
+
+
+def watched_socket() -> int:
+    return int(_validity[5])
+
+
+def main_alive() -> None:
+    """A sign of life from the main process, at each slice of its deadline thread."""
+    _validity[4] = clock.now()
+
+
+def main_silent_for() -> float:
+    """How long the main process has given no sign of life."""
+    return clock.now() - float(_validity[4])
+
+
+class PresenceCheck:
+    """Whether the presence connection of a main process silent for ``MAIN_SILENT_SECONDS`` was closed or
+    reset by its peer, by the kernel's word (``sockets.py``): read by a pool process's watchdog, which
+    kills the process if so (``watchdog.py``). The kernel is asked at most every ``SOCKET_CHECK_SECONDS``,
+    and only while the main process is silent."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+
+    def closed(self) -> bool:
+        inode = watched_socket()
+        if not inode or main_silent_for() < MAIN_SILENT_SECONDS:
+            return False
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + SOCKET_CHECK_SECONDS
+        # Not established: closed or reset by its peer, though its holder did not close it (it would have
+        # said so first, ``presence_socket(0)``). Unreadable tables tell nothing.
+        return sockets.established(inode) is False and watched_socket() == inode
 
 
 def settled(generation: int, timeout: float) -> bool:

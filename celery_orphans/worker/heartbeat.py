@@ -25,7 +25,7 @@ from celery_orphans.conf import settings
 from celery_orphans.worker import clock, renewal
 from celery_orphans.worker.presence import Presence
 from celery_orphans.worker.renewal import Renewals
-from celery_orphans.worker.validity import Validity, stoppable
+from celery_orphans.worker.validity import Validity, self_watching, stoppable
 
 logger = logs.get(__name__)
 WATCH_LIMIT = 16  # lapsed boots a renewal reports at most; the next renewals report the rest
@@ -74,7 +74,11 @@ class Heartbeat:
         self.margin = settings.lease_margin()
         self.on_renewed = on_renewed
         self._stop = threading.Event()
-        self.presence = Presence(node, self._wake.set, stoppable=can_stop) if settings.PRESENCE else None
+        self.presence = (
+            Presence(node, self._wake.set, stoppable=can_stop, fenced=self_watching(pool or "prefork"))
+            if settings.PRESENCE
+            else None
+        )
         self.renewals.presence = self.presence
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -216,6 +220,8 @@ class Heartbeat:
             return False
         self._retry = min(FIRST_RETRY_SECONDS, self.interval)
         self._trouble_since = None
+        if self.presence is not None:
+            self.presence.renewed(begun)
         if self._unprotected_since is not None:
             self._first_taken(time.monotonic() - self._unprotected_since)
         elif self._failing:

@@ -34,12 +34,26 @@ UNSTOPPABLE_POOLS = frozenset(
 )
 
 
+# The pool whose executions run in processes of their own, each watching for itself (``watchdog.py``).
+PREFORK_POOLS = frozenset({"prefork", "celery.concurrency.prefork:TaskPool"})
+
+
+def _name(pool_cls: Any) -> str:
+    if isinstance(pool_cls, str):  # a name is not imported: a green pool's module needs its event loop
+        return pool_cls
+    return f"{getattr(pool_cls, '__module__', '')}:{getattr(pool_cls, '__qualname__', '')}"
+
+
 def stoppable(pool_cls: Any) -> bool:
     """Whether a worker running ``pool_cls`` (a class or Celery's name for one) can stop a running
     execution: not on the solo and threads pools, whose executions run in the worker's own threads."""
-    if not isinstance(pool_cls, str):  # a name is not imported: a green pool's module needs its event loop
-        pool_cls = f"{getattr(pool_cls, '__module__', '')}:{getattr(pool_cls, '__qualname__', '')}"
-    return pool_cls not in UNSTOPPABLE_POOLS
+    return _name(pool_cls) not in UNSTOPPABLE_POOLS
+
+
+def self_watching(pool_cls: Any) -> bool:
+    """Whether a worker running ``pool_cls`` runs its executions in processes that stop them even while
+    its main process is frozen or stalled: the prefork pool's (``watchdog.py``)."""
+    return _name(pool_cls) in PREFORK_POOLS
 
 
 class Validity:
@@ -120,6 +134,9 @@ class Validity:
 
     def expire(self) -> bool:
         """Give the current generation up if its validity ran out; whether it did."""
+        if self._presence_expired():
+            why = "its presence connection was lost and neither made again nor renewed past in time"
+            return self.lapse(self.generation, why, if_expired=True)
         return self.lapse(self.generation, "its lease was not renewed in time", if_expired=True)
 
     def tick(self) -> bool:
@@ -132,11 +149,16 @@ class Validity:
         return False
 
     def _expired(self) -> bool:
-        return self.valid_until != 0.0 and clock.now() >= self.valid_until
+        return self.valid_until != 0.0 and (clock.now() >= self.valid_until or self._presence_expired())
+
+    def _presence_expired(self) -> bool:
+        until = forfeit.presence_until()
+        return self.stoppable and 0.0 < until <= clock.now()
 
     def start(self) -> None:
         """Watch the clock from a thread of this process, until ``stop``."""
         if self._thread is None:
+            forfeit.main_alive()
             self._thread = threading.Thread(target=self._run, name="celery-orphans-deadline", daemon=True)
             self._thread.start()
 
@@ -145,6 +167,7 @@ class Validity:
         while not self._stop.wait(FORFEIT_LATENCY_SECONDS):
             if os.getpid() != self._pid:
                 return
+            forfeit.main_alive()  # the pool processes look past a main process that stops saying this
             self.tick()
 
     def stop(self) -> None:

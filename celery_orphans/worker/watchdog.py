@@ -6,6 +6,13 @@ each pool process watches the clock from a thread of its own: when the execution
 (``forfeit.holds``, read from memory shared with the main process: no I/O), the process kills itself. It kills
 itself, not a pid read elsewhere, so the kill can never hit the next task that process runs.
 
+Nor does it outlive the presence of a main process that cannot speak for itself. A boot whose presence
+connection Redis dropped may be judged gone a heartbeat and a half after another worker saw it
+(``presence.py``); a live main process makes the connection again, or gives its executions up, well
+before. A frozen or stalled one can do neither, but the kernel knows its socket was closed or reset: when
+the main process has given no sign of life for a while, the thread reads the socket's state from the
+kernel and kills the process if it is no longer established (``forfeit.PresenceCheck``).
+
 Nor does an execution outlive the worker's main process. Celery has the kernel kill each prefork pool
 process the moment its main process dies (``PR_SET_PDEATHSIG``); should that not have been done, the
 thread sees its parent gone and kills the process. A dead main process renews no lease, so the execution
@@ -78,22 +85,26 @@ def end() -> None:
         _running = None
 
 
-def start(holds: Callable[[int], bool]) -> None:
+def start(holds: Callable[[int], bool], presence_closed: Callable[[], bool]) -> None:
     """Watch from now on, in this prefork pool process (``handover.initialize``): ``holds(generation)``
-    says whether an execution of ``generation`` may go on (``forfeit.holds``)."""
+    says whether an execution of ``generation`` may go on (``forfeit.holds``), ``presence_closed()``
+    whether the kernel says a silent main process's presence connection was closed."""
     global _watcher, _running, _lock, _parent
     if _watcher == os.getpid():
         return
     _running, _lock = None, threading.Lock()  # a fork may have caught the parent's held
     _watcher = os.getpid()
     _parent = os.getppid()
-    threading.Thread(target=_watch, args=(holds,), name="celery-orphans-watchdog", daemon=True).start()
+    watcher = threading.Thread(
+        target=_watch, args=(holds, presence_closed), name="celery-orphans-watchdog", daemon=True
+    )
+    watcher.start()
 
 
-def _watch(holds: Callable[[int], bool]) -> None:
+def _watch(holds: Callable[[int], bool], presence_closed: Callable[[], bool]) -> None:
     stop = threading.Event()  # never set: a sliced wait
     while not stop.wait(FORFEIT_LATENCY_SECONDS):
         with _lock:
-            if _running is not None and (not holds(_running) or _orphaned()):
+            if _running is not None and (not holds(_running) or _orphaned() or presence_closed()):
                 # The main process sees this process die, and acknowledges the task as forfeit.
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,93 @@
+"""The presence fence with real workers: a live prefork worker whose presence connection ended stops its
+executions before another worker may judge it gone by that loss, unless it makes the connection again or
+renews; and a restart of the ledger's Redis, which ends every presence connection at once, gives nothing
+up. Renewals 2 s apart and a 10 s lease, the defaults: the fence fires 1.5 s after the loss, another
+worker judges no sooner than 2.5 s after it saw the loss."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from celery import current_app
+
+from celery_orphans.models import OrphanEvent
+from tests.faults import quiet, report
+from tests.helpers import finishes, ledger_env, started_on, starts, wait_for
+from tests.services import TcpProxy
+from tests.workers import OWN_SWEEPS_ON
+
+pytestmark = pytest.mark.worker
+
+DEFAULTS = {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "2", "CELERY_ORPHANS_LEASE_SECONDS": "10"}
+
+
+def running_on(workers: Any, name: str, seconds: float, env: dict[str, str], shared: dict[str, str]) -> Any:
+    """A tick task running on a live worker of its own queue, with a watcher up that takes the queue."""
+    from demoapp.tasks import tick
+
+    workers.own_sweeps = {**OWN_SWEEPS_ON, **DEFAULTS, **shared}  # presence on, as by default
+    live = workers.start(f"live-{name}@test", queues=(name,), env=env)
+    workers.start(f"watcher-{name}@test")
+    result = tick.apply_async((seconds,), {"every": 0.25}, queue=name)
+    started_on(result.id, live.name)
+    current_app.control.add_consumer(name, destination=[f"watcher-{name}@test"], reply=True, timeout=5)
+    time.sleep(4)  # two renewals of each: the presence of each is recorded
+    return live, result
+
+
+# Before, the boot was judged by its lost presence only a heartbeat before its lease's end, 7.4 s after
+# its last renewal; now once another worker has seen the loss for its wait, and its executions are
+# stopped by then.
+def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_before_it_is_judged(
+    workers: Any, redis_client: Any
+) -> None:
+    link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
+    try:
+        live, result = running_on(workers, "reset-then-cut", 30, {"CELERY_ORPHANS_REDIS_URL": link.url()}, {})
+        # A middlebox resets every connection, then drops everything: the worker hears the reset, and can
+        # neither connect again nor renew.
+        link.cut()
+        cut = time.time()
+        time.sleep(0.2)
+        link.blackhole()
+        wait_for(lambda: OrphanEvent.objects.filter(task_id=result.id).exists(), 20, "the recovery")
+        recovered = time.time()
+        try:
+            wait_for(lambda: starts(result.id) >= 2, 30, "the recovered execution")
+        except Exception:
+            print(live.log()[-6000:])
+            raise
+        found = quiet(result.id, seconds=3, timeout=60)
+    finally:
+        link.close()
+
+    event = OrphanEvent.objects.get(task_id=result.id)
+    report(
+        "ledger link reset, then cut off",
+        recovered_after=recovered - cut,
+        evidence=event.evidence,
+        executions=len(found.executions),
+        stale_effects=found.count,
+        overlap_seconds=found.window,
+    )
+    assert "gives up its boot" in live.log() and "presence connection was lost" in live.log()
+    assert event.evidence == "presence_lost"
+    assert len(found.executions) == 2 and not found.stale, str(found)
+
+
+# Redis down for 4 s: more than the fence, less than the lease. Connections refused, then a server that
+# is new (its run id differs), which believes none of the presence recorded before.
+def test_a_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_redis: Any) -> None:
+    shared = ledger_env(ledger_redis)
+    live, result = running_on(workers, "restart", 12, {}, shared)
+    ledger_redis.stop()
+    time.sleep(4)
+    ledger_redis.start()
+
+    assert result.get(timeout=60) is not None
+    logs = "".join(w.log() for w in workers)
+    assert "gives up its boot" not in logs
+    assert not OrphanEvent.objects.filter(task_id=result.id).exists()
+    assert (starts(result.id), finishes(result.id)) == (1, 1)
