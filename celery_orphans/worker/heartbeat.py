@@ -75,7 +75,7 @@ class Heartbeat:
         self.on_renewed = on_renewed
         self._stop = threading.Event()
         self.presence = (
-            Presence(node, self._wake.set, stoppable=can_stop, fenced=self_watching(pool or "prefork"))
+            Presence(node, self._wake.set, stoppable=can_stop, self_watching=self_watching(pool or "prefork"))
             if settings.PRESENCE
             else None
         )
@@ -221,7 +221,7 @@ class Heartbeat:
         self._retry = min(FIRST_RETRY_SECONDS, self.interval)
         self._trouble_since = None
         if self.presence is not None:
-            self.presence.renewed(begun)
+            self.presence.loss.renewed(begun)
         if self._unprotected_since is not None:
             self._first_taken(time.monotonic() - self._unprotected_since)
         elif self._failing:

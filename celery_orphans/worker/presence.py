@@ -14,15 +14,17 @@ process may be alive is not judged by that alone:
   for its wait since the mark: a heartbeat and half a second, within which a live worker renews, and its
   renewal clears the mark or, finding its own channel unsubscribed, withdraws its presence, so that only
   its lease can tell from then on;
-- and never before its own executions are forfeit (``early_seconds`` before its lease's end): a live
-  worker stalled longer than its wait while Redis's end of its connection was closed (a ``CLIENT KILL``,
-  a middlebox) has stopped them by then, so presence cannot run its task twice;
+- and never before its own executions are forfeit: a live worker stalled longer than its wait while
+  Redis's end of its connection was closed (a ``CLIENT KILL``, a middlebox) has stopped them by then, so
+  presence cannot run its task twice. When that is, and how a prefork worker makes it the moment its
+  connection ended by itself, is ``presence_loss.py``;
 - its pool processes die with it (Celery has the kernel kill each prefork pool process the moment the
   main process dies; ``watchdog.py`` is the fallback), so nothing of the boot runs on when it is judged.
 
 The connection is opened once the pool has forked, and a process forked later closes its copy at once
 (a copy held by a pool process would keep the subscription after the main process died). Losing it (a
-reset, a Redis restart) costs nothing: the thread connects again, and the heartbeat renews once it has.
+reset, a Redis restart) costs nothing on a live worker: the thread connects again, and the heartbeat
+renews at once.
 """
 
 from __future__ import annotations
@@ -46,46 +48,18 @@ from redis.retry import Retry
 from celery_orphans import leases, logs, scripts
 from celery_orphans.conf import settings
 from celery_orphans.store import Keys, client
-from celery_orphans.worker import clock, forfeit, sockets
+from celery_orphans.worker import forfeit
+from celery_orphans.worker.presence_loss import Loss, early_seconds, server_down, wait_seconds
 
 logger = logs.get(__name__)
 
 PRESENCE_SHA = hashlib.sha1(scripts.PRESENCE.encode()).hexdigest()
 CLIENT_NAME = "celery-orphans-presence"
-# A live worker renews within a heartbeat; this much more covers a renewal sent late or slow to answer.
-SLACK_SECONDS = 0.5
 # How many boots that follow its own in the ring each renewal looks at: each boot is looked at by as many.
 SUCCESSORS = 2
 POLL_SECONDS = 1.0  # how often the reading thread looks up from its wait, to notice a stop
-# How much sooner than another worker may judge it a worker fences itself after its presence connection
-# ended: the time its end takes to hear of it and this process to notice, and a pool process's slice.
-FENCE_SLACK_SECONDS = 1.0
-MIN_FENCE_SECONDS = 0.5
 
 _instances: weakref.WeakSet[Presence] = weakref.WeakSet()
-
-
-def wait_seconds() -> float:
-    """How long after its presence was seen missing a boot that has not renewed since is judged gone."""
-    return float(settings.HEARTBEAT_SECONDS) + SLACK_SECONDS
-
-
-def fence_seconds() -> float:
-    """How long after its presence connection ends by itself (its own end closed or reset) a worker whose
-    pool processes watch for themselves gives its executions up, unless the connection is made again or
-    a renewal sent since is answered: its wait less ``FENCE_SLACK_SECONDS``. 0: too short to fence, its
-    presence lost is then judged no sooner than ``early_seconds`` before its lease's end."""
-    fence = wait_seconds() - FENCE_SLACK_SECONDS
-    return fence if fence >= MIN_FENCE_SECONDS else 0.0
-
-
-def early_seconds(stoppable: bool = True) -> float:
-    """How long before its lease's end in Redis this worker's executions are forfeit at the latest: its
-    margin (``conf.Settings.lease_margin``) less the clock skew and the forfeit's latency, which it keeps
-    as slack. Its presence lost is not judged sooner: a live worker stalled while Redis's end of its
-    connection was closed has stopped its executions by then. Not at all where its pool cannot stop them
-    (``validity.stoppable``): its lease's end alone tells."""
-    return float(settings.HEARTBEAT_SECONDS) if stoppable else 0.0
 
 
 class Presence:
@@ -97,23 +71,23 @@ class Presence:
         on_change: Callable[[], None] | None = None,
         *,
         stoppable: bool = True,
-        fenced: bool = False,
+        self_watching: bool = False,
     ) -> None:
-        """``on_change()`` is called from the thread each time the subscription is made: the heartbeat
-        renews at once, so that its presence is recorded without waiting for the next beat. A loss wakes
-        nothing: the thread subscribes again, and the renewal that follows records it (a renewal woken by
-        the loss would only fail with it when Redis is gone). ``stoppable``: ``early_seconds``.
-        ``fenced``: its executions run in pool processes that watch for themselves (the prefork pool's),
-        so that a loss can fence them (``fence_seconds``)."""
+        """``on_change()`` is called from the thread each time the subscription is made, and when it ended
+        by itself where that forfeits the executions (``presence_loss.Loss``): the heartbeat renews at
+        once, so that its presence is recorded, or withdrawn, without waiting for the next beat.
+        ``stoppable``: ``early_seconds``.
+        ``self_watching``: its executions run in pool processes that watch for themselves (the prefork
+        pool's), so that the loss of the connection can forfeit them in time (``presence_loss.py``)."""
         self.node = node
         self.keys = Keys.current()
         self.channel = self.keys.presence_channel(uuid.uuid4().hex)
         self.on_change = on_change
         self.pid = os.getpid()
         self.wait_ms = int(wait_seconds() * 1000)
-        self.stoppable, self.fenced = stoppable, fenced
+        self.stoppable, self.self_watching = stoppable, self_watching
         self.early_ms = int(early_seconds(stoppable) * 1000)
-        self._lost_at: float | None = None  # clock.now(): the fence is armed (see _lost)
+        self.loss = Loss(node, self._changed)
         self._conn: Any = None
         self._subscribed = threading.Event()
         self._again = threading.Event()  # the renewal says Redis no longer counts the subscription
@@ -138,44 +112,8 @@ class Presence:
 
     def stop(self) -> None:
         self._stop.set()
-        self._kept()
+        self.loss.kept()
         self._close()
-
-    # The fence: a boot whose presence Redis dropped may be judged gone once another worker's renewal has
-    # seen it missing for its wait. Its executions must be stopped by then, unless it renewed meanwhile.
-
-    def renewed(self, sent_at: float) -> None:
-        """A renewal sent at ``sent_at`` (clock.now()) was answered: sent after the loss, it recorded this
-        boot's presence afresh or withdrew it (``scripts.PRESENCE``), so no sweep judges the boot by the
-        presence it lost."""
-        lost_at = self._lost_at
-        if lost_at is not None and sent_at > lost_at:
-            self._kept()
-
-    def _lost(self) -> None:
-        """The connection ended by itself (its end closed or reset): unless it is made again, or a renewal
-        sent from now on is answered, the boot's executions are forfeit in ``fence_seconds``. The
-        heartbeat renews at once."""
-        if not (self.fenced and self.early_ms >= int(settings.LEASE_SECONDS * 1000)):
-            return  # judged no sooner than its executions are forfeit by the lease: nothing to fence
-        self._lost_at = now = clock.now()
-        forfeit.presence_lost(now + fence_seconds())
-        logger.info(
-            "the presence connection of %s was closed; it connects again, and renews at once", self.node
-        )
-        self._changed()
-
-    def _defer(self) -> None:
-        """Redis refused the connection, or is loading its data: while it does, no sweep can judge this
-        boot, and the server it comes back as is a new one, whose presence of the boot is not believed
-        (its run id differs). The fence waits from now."""
-        if self._lost_at is not None and forfeit.presence_until() > 0.0:  # armed, not fired
-            forfeit.presence_lost(clock.now() + fence_seconds())
-
-    def _kept(self) -> None:
-        if self._lost_at is not None:
-            self._lost_at = None
-            forfeit.presence_kept()
 
     # The renewal's side: one more script call in its round trip, and what its reply says.
 
@@ -233,12 +171,12 @@ class Presence:
             except Exception as exc:  # whatever ended it (a reset, a close from the renewal's side)
                 if not self._stop.is_set():
                     logger.debug("presence connection of %s: %r", self.node, exc)
-                if not self._subscribed.is_set() and _server_down(exc):
-                    self._defer()
+                if not self._subscribed.is_set() and server_down(exc):
+                    self.loss.refused()
             lost = self._subscribed.is_set()
             self._subscribed.clear()
             if lost and not self._again.is_set() and not self._stop.is_set():
-                self._lost()
+                self.loss.lost(self.early_ms)
             self._close()
             if self._stop.is_set():
                 return
@@ -247,7 +185,7 @@ class Presence:
             # (an eviction, an ACL) is tried less and less often, and renews no more than that. While the
             # fence is armed, it is tried again at once each time.
             held = lost and time.monotonic() - held_since > heartbeat
-            backoff = 0.1 if held or self._lost_at is not None else min(heartbeat, backoff * 2)
+            backoff = 0.1 if held or self.loss.armed else min(heartbeat, backoff * 2)
             self._stop.wait(backoff)
 
     def _changed(self) -> None:
@@ -280,14 +218,9 @@ class Presence:
         reply = _read(conn)
         if not isinstance(reply, list) or len(reply) < 3 or reply[0] not in (b"subscribe", "subscribe"):
             raise ValueError(f"unexpected reply to SUBSCRIBE: {reply!r}")
-        fileno = conn._sock.fileno()
-        watched = self.fenced and fence_seconds() > 0 and sockets.watchable(fileno)
-        # The socket first, then the claim a renewal records: a pool process must watch the connection
-        # a sweep may judge the boot by.
-        forfeit.presence_socket(sockets.inode(fileno) if watched else 0)
-        self.early_ms = int((settings.LEASE_SECONDS if watched else early_seconds(self.stoppable)) * 1000)
+        self.early_ms = self.loss.claim(conn._sock.fileno(), self.stoppable, self.self_watching)
         self._subscribed.set()
-        self._kept()
+        self.loss.kept()
 
     def _hold(self) -> None:
         """Wait on the connection until it ends (end of file, a reset), or until the renewal says Redis
@@ -318,15 +251,6 @@ class Presence:
         self._conn = None
         self._subscribed = threading.Event()
         self._thread = None
-
-
-def _server_down(exc: BaseException) -> bool:
-    """Whether ``exc`` says no Redis server listens there (the connection refused), or one is loading its
-    data (a restart): none that could judge by a presence recorded before."""
-    if isinstance(exc, redis.BusyLoadingError):
-        return True
-    cause = exc.__cause__ or exc.__context__
-    return isinstance(cause, ConnectionRefusedError) or "refused" in str(exc).lower()
 
 
 def _ready(sock: Any) -> bool:

@@ -81,7 +81,7 @@ def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_be
 # is new (its run id differs), which believes none of the presence recorded before.
 def test_a_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_redis: Any) -> None:
     shared = ledger_env(ledger_redis)
-    live, result = running_on(workers, "restart", 12, {}, shared)
+    _, result = running_on(workers, "restart", 12, {}, shared)
     ledger_redis.stop()
     time.sleep(4)
     ledger_redis.start()

@@ -1,0 +1,127 @@
+"""When a boot's lost presence may be judged, and what a worker does when its own presence connection ends.
+
+Another worker's renewal that finds a boot's presence channel without a subscriber marks it missing; the
+boot is judged gone once it has not renewed for its wait since (``wait_seconds``), and no sooner than its
+executions are forfeit, ``early_seconds`` before its lease's end. A live worker renews within its wait,
+and its renewal clears the mark or withdraws its presence. One that cannot renew (its main process
+frozen or stalled, or cut off from Redis) must have stopped its executions by the time it may be judged:
+
+- by default that is a heartbeat before its lease's end, when its executions are forfeit by the lease
+  (``conf.Settings.lease_margin``): presence then tells a death up to a heartbeat sooner than the lease;
+- a prefork worker whose connection's end is watched by its pool processes does better: its
+  executions are forfeit ``forfeit_seconds`` after its connection ended by itself (its end closed or
+  reset), unless it is made again or a renewal sent since is answered (either leaves nothing a sweep could
+  judge it by), so it claims no lease time at all (``early_seconds`` the whole lease). Its main process
+  sees the end and arms ``forfeit.presence_lost``, which every process reads; a frozen or stalled main
+  process cannot, and its pool processes read the socket's state from the kernel (``forfeit.PresenceCheck``);
+- a server that refuses the connection, or is loading its data, is a server no sweep uses meanwhile and
+  one that comes back new (another run id), which believes no presence recorded before: while it does,
+  the forfeit waits (``Loss.refused``), so a restart of the ledger's Redis gives nothing up.
+
+What is left: Redis's end of the connection closed while the worker's end hears nothing (a middlebox that
+resets one end alone, a lost reset) at the moment the worker cannot renew for its wait. The worker then
+runs on to its lease's margin while a sweep may judge it after its wait, as it could before presence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis
+
+from celery_orphans import logs
+from celery_orphans.conf import settings
+from celery_orphans.worker import clock, forfeit, sockets
+
+logger = logs.get(__name__)
+
+# A live worker renews within a heartbeat; this much more covers a renewal sent late or slow to answer.
+SLACK_SECONDS = 0.5
+# How much sooner than its wait a worker gives its executions up after its connection ended: the time its
+# end takes to hear of it and its process to notice, and a pool process's slice.
+FORFEIT_SLACK_SECONDS = 1.0
+MIN_FORFEIT_SECONDS = 0.5  # less than this, and the connection's end is not worth watching
+
+
+def wait_seconds() -> float:
+    """How long after its presence was seen missing a boot that has not renewed since is judged gone."""
+    return float(settings.HEARTBEAT_SECONDS) + SLACK_SECONDS
+
+
+def forfeit_seconds() -> float:
+    """How long after its presence connection ended by itself a worker that watches it gives its executions
+    up: its wait less ``FORFEIT_SLACK_SECONDS``; 0 where that is too short to watch for (a heartbeat
+    under a second)."""
+    seconds = wait_seconds() - FORFEIT_SLACK_SECONDS
+    return seconds if seconds >= MIN_FORFEIT_SECONDS else 0.0
+
+
+def early_seconds(stoppable: bool = True) -> float:
+    """How long before its lease's end in Redis this worker's executions are forfeit at the latest when
+    its presence connection is lost: its margin (``conf.Settings.lease_margin``) less the clock skew and
+    the forfeit's latency, which it keeps as slack. Its presence lost is not judged sooner. Not at all
+    where its pool cannot stop them (``validity.stoppable``): its lease's end alone tells."""
+    return float(settings.HEARTBEAT_SECONDS) if stoppable else 0.0
+
+
+def server_down(exc: BaseException) -> bool:
+    """Whether ``exc`` says no Redis server listens there (the connection refused), or one is loading its
+    data (a restart): none that could judge by a presence recorded before."""
+    if isinstance(exc, redis.BusyLoadingError):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    return isinstance(cause, ConnectionRefusedError) or "refused" in str(exc).lower()
+
+
+class Loss:
+    """The end of one worker's presence connection, from the moment it ended by itself until it is made
+    again or a renewal sent since is answered. ``on_loss()``: the heartbeat renews at once."""
+
+    def __init__(self, node: str, on_loss: Callable[[], None]) -> None:
+        self.node = node
+        self._on_loss = on_loss
+        self._lost_at: float | None = None  # clock.now(), while a loss is not made good
+
+    @property
+    def armed(self) -> bool:
+        return self._lost_at is not None
+
+    def claim(self, fileno: int, stoppable: bool, self_watching: bool) -> int:
+        """A subscription was made on socket ``fileno``: the ``early_ms`` its renewals record. The whole
+        lease where its pool processes can watch that socket (a TCP one the kernel lists) and its loss
+        forfeits its executions in time; else ``early_seconds``."""
+        watched = self_watching and forfeit_seconds() > 0 and sockets.watchable(fileno)
+        # The socket first, then the claim a renewal records: a pool process must watch the connection
+        # that a sweep may judge the boot by.
+        forfeit.presence_socket(sockets.inode(fileno) if watched else 0)
+        return int((settings.LEASE_SECONDS if watched else early_seconds(stoppable)) * 1000)
+
+    def lost(self, early_ms: int) -> None:
+        """The connection ended by itself (its end closed or reset) after a subscription that claimed
+        ``early_ms``: unless it is made again, or a renewal sent from now on is answered, the executions
+        are forfeit in ``forfeit_seconds``."""
+        if early_ms < int(settings.LEASE_SECONDS * 1000):
+            return  # judged no sooner than its executions are forfeit by the lease: nothing to do
+        self._lost_at = now = clock.now()
+        forfeit.presence_lost(now + forfeit_seconds())
+        logger.info("the presence connection of %s ended; it connects again and renews at once", self.node)
+        self._on_loss()
+
+    def refused(self) -> None:
+        """Redis refused the connection made again, or is loading its data: the forfeit waits from now."""
+        if self._lost_at is not None and forfeit.presence_until() > 0.0:  # armed, not given up yet
+            forfeit.presence_lost(clock.now() + forfeit_seconds())
+
+    def renewed(self, sent_at: float) -> None:
+        """A renewal sent at ``sent_at`` (clock.now()) was answered: sent after the loss, it recorded the
+        boot's presence afresh or withdrew it (``scripts.PRESENCE``), so no sweep judges the boot by the
+        presence it lost."""
+        lost_at = self._lost_at
+        if lost_at is not None and sent_at > lost_at:
+            self.kept()
+
+    def kept(self) -> None:
+        """The connection was made again, or is closed on purpose: nothing to forfeit."""
+        if self._lost_at is not None:
+            self._lost_at = None
+            forfeit.presence_kept()
