@@ -64,7 +64,7 @@ _validity: Any = RawArray(ctypes.c_double, 6)
 
 SETTLE_POLL_SECONDS = 0.01
 # A main process silent this long is looked past: its presence socket's state is read from the kernel.
-MAIN_SILENT_SECONDS = 0.5
+MAIN_SILENT_SECONDS = 1.0
 # How often the kernel is asked meanwhile (a read of its TCP tables).
 SOCKET_CHECK_SECONDS = 0.25
 

@@ -25,6 +25,7 @@ runs on to its lease's margin while a sweep may judge it after its wait, as it c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import redis
@@ -81,6 +82,7 @@ class Loss:
         self.node = node
         self._on_loss = on_loss
         self._lost_at: float | None = None  # clock.now(), while a loss is not made good
+        self._lock = threading.Lock()  # the presence thread arms, the heartbeat's may disarm
 
     @property
     def armed(self) -> bool:
@@ -100,28 +102,34 @@ class Loss:
         """The connection ended by itself (its end closed or reset) after a subscription that claimed
         ``early_ms``: unless it is made again, or a renewal sent from now on is answered, the executions
         are forfeit in ``forfeit_seconds``."""
-        if early_ms < int(settings.LEASE_SECONDS * 1000):
+        if early_ms < int(settings.LEASE_SECONDS * 1000) or not forfeit_seconds():
             return  # judged no sooner than its executions are forfeit by the lease: nothing to do
-        self._lost_at = now = clock.now()
-        forfeit.presence_lost(now + forfeit_seconds())
+        with self._lock:
+            self._lost_at = now = clock.now()
+            forfeit.presence_lost(now + forfeit_seconds())
         logger.info("the presence connection of %s ended; it connects again and renews at once", self.node)
         self._on_loss()
 
     def refused(self) -> None:
         """Redis refused the connection made again, or is loading its data: the forfeit waits from now."""
-        if self._lost_at is not None and forfeit.presence_until() > 0.0:  # armed, not given up yet
-            forfeit.presence_lost(clock.now() + forfeit_seconds())
+        with self._lock:
+            if self._lost_at is not None and forfeit.presence_until() > 0.0:  # armed, not given up yet
+                forfeit.presence_lost(clock.now() + forfeit_seconds())
 
     def renewed(self, sent_at: float) -> None:
         """A renewal sent at ``sent_at`` (clock.now()) was answered: sent after the loss, it recorded the
         boot's presence afresh or withdrew it (``scripts.PRESENCE``), so no sweep judges the boot by the
         presence it lost."""
-        lost_at = self._lost_at
-        if lost_at is not None and sent_at > lost_at:
-            self.kept()
+        with self._lock:
+            if self._lost_at is not None and sent_at > self._lost_at:
+                self._clear()
 
     def kept(self) -> None:
         """The connection was made again, or is closed on purpose: nothing to forfeit."""
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
         if self._lost_at is not None:
             self._lost_at = None
             forfeit.presence_kept()

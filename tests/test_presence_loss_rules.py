@@ -1,0 +1,128 @@
+"""The loss of a worker's presence connection, in this process (worker/presence_loss.py, the presence part of
+worker/forfeit.py, worker/sockets.py): when the executions stop holding, what makes the loss good, and what
+a pool process reads from the kernel of a socket its main process holds. Real sockets; the end-to-end cases
+with real workers are in test_presence_loss.py and test_presence_attacks.py."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_orphans.worker import clock, forfeit, sockets
+from celery_orphans.worker.presence_loss import Loss, forfeit_seconds, server_down
+
+pytestmark = pytest.mark.usefixtures("shared_validity")
+
+
+@pytest.fixture
+def connected() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A TCP connection on this machine: the client's end, and the server's."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    listener.close()
+    yield client, server
+    for end in (client, server):
+        end.close()
+
+
+@pytest.fixture
+def lease_ms(settings: Any) -> int:
+    """The default timings (the suite's heartbeat is too short for a loss to be watched): the
+    ``early_ms`` a watched subscription claims."""
+    settings.CELERY_ORPHANS_HEARTBEAT_SECONDS = 2
+    settings.CELERY_ORPHANS_LEASE_SECONDS = 10
+    return 10_000
+
+
+def test_executions_stop_holding_when_a_lost_presence_is_not_made_good_in_time():
+    forfeit.hold_until(3, clock.now() + 60)
+    forfeit.presence_lost(clock.now() + 60)
+    assert forfeit.holds(3)  # the loss's instant is still ahead
+
+    forfeit.presence_lost(clock.now() - 0.01)
+    assert not forfeit.holds(3)
+    forfeit.presence_kept()
+    assert forfeit.holds(3)  # made good: the lease alone again
+
+
+def test_a_new_generation_does_not_inherit_the_loss_of_the_boot_given_up():
+    forfeit.hold_until(3, clock.now() + 60)
+    forfeit.presence_lost(clock.now() - 0.01)
+    forfeit.withdraw(4)
+    forfeit.hold_until(4, clock.now() + 60)
+
+    assert forfeit.holds(4)
+
+
+def test_a_renewal_makes_a_loss_good_only_if_it_was_sent_after_it(lease_ms: int):
+    forfeit.hold_until(3, clock.now() + 60)
+    woken = []
+    loss = Loss("w@test", lambda: woken.append(True))
+    before = clock.now()
+    loss.lost(lease_ms)
+    assert woken == [True] and loss.armed  # the heartbeat renews at once
+    assert 0 < forfeit.presence_until() - clock.now() <= forfeit_seconds()
+
+    loss.renewed(before)  # sent before the loss: its script may have seen the subscription
+    assert loss.armed and forfeit.presence_until() > 0
+    loss.renewed(clock.now())
+    assert not loss.armed and forfeit.presence_until() == 0.0
+
+
+def test_a_subscription_that_claims_no_lease_time_forfeits_nothing_when_lost(lease_ms: int):
+    loss = Loss("w@test", lambda: None)
+    loss.lost(lease_ms - 1)  # judged no sooner than its lease's margin: nothing to do
+
+    assert not loss.armed and forfeit.presence_until() == 0.0
+
+
+def test_a_refused_connection_holds_the_forfeit_off_while_armed(lease_ms: int):
+    loss = Loss("w@test", lambda: None)
+    loss.refused()
+    assert forfeit.presence_until() == 0.0  # nothing lost: nothing to hold off
+
+    loss.lost(lease_ms)
+    forfeit.presence_lost(clock.now() + 0.01)  # about to run out
+    loss.refused()
+    assert forfeit.presence_until() - clock.now() > forfeit_seconds() - 0.1
+
+
+def test_only_a_refusal_or_a_loading_server_says_no_server_could_judge():
+    import redis
+
+    refused = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6399. Connection refused.")
+    assert server_down(refused)
+    assert server_down(redis.BusyLoadingError("Redis is loading the dataset in memory"))
+    assert not server_down(redis.TimeoutError("Timeout connecting to server"))
+    assert not server_down(redis.ConnectionError("Connection closed by server."))
+
+
+def test_the_kernel_tells_a_socket_closed_by_its_peer(connected: tuple[socket.socket, socket.socket]):
+    client, server = connected
+    inode = sockets.inode(client.fileno())
+    assert sockets.watchable(client.fileno())
+    assert sockets.established(inode) is True
+
+    server.close()  # the peer's FIN: the client's end is in CLOSE_WAIT, open but no longer established
+
+    assert sockets.established(inode) is False
+
+
+def test_a_pool_process_reads_the_kernel_only_while_its_main_process_is_silent(
+    connected: tuple[socket.socket, socket.socket],
+):
+    client, server = connected
+    forfeit.presence_socket(sockets.inode(client.fileno()))
+    server.close()
+    check = forfeit.PresenceCheck()
+
+    forfeit.main_alive()
+    assert not check.closed()  # the main process speaks for its connection
+    forfeit._validity[4] = clock.now() - forfeit.MAIN_SILENT_SECONDS - 0.1
+    assert check.closed()
+    forfeit.presence_socket(0)  # its holder closed it on purpose, or holds none
+    assert not forfeit.PresenceCheck().closed()
