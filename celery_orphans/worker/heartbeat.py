@@ -25,7 +25,7 @@ from celery_orphans.conf import settings
 from celery_orphans.worker import clock, renewal
 from celery_orphans.worker.presence import Presence
 from celery_orphans.worker.renewal import Renewals
-from celery_orphans.worker.validity import Validity, self_watching, stoppable
+from celery_orphans.worker.validity import Validity, stoppable
 
 logger = logs.get(__name__)
 WATCH_LIMIT = 16  # lapsed boots a renewal reports at most; the next renewals report the rest
@@ -55,13 +55,13 @@ class Heartbeat:
         self.node = node
         self._given_up: list[str] = []  # boots whose records its thread drops: no sweep waits them out
         self._wake = threading.Event()  # a renewal now: presence connected, or (unstoppable) validity ended
-        can_stop = stoppable(pool or "prefork")
+        pool = pool or "prefork"
         self.validity = Validity(
             node,
             boot or uuid.uuid4().hex,
             on_forfeit,
             self._given_up.append,
-            stoppable=can_stop,
+            stoppable=stoppable(pool),
             on_expired=self._wake.set,
         )
         self.pid = os.getpid()
@@ -74,11 +74,7 @@ class Heartbeat:
         self.margin = settings.lease_margin()
         self.on_renewed = on_renewed
         self._stop = threading.Event()
-        self.presence = (
-            Presence(node, self._wake.set, stoppable=can_stop, self_watching=self_watching(pool or "prefork"))
-            if settings.PRESENCE
-            else None
-        )
+        self.presence = Presence(node, self._wake.set, pool=pool) if settings.PRESENCE else None
         self.renewals.presence = self.presence
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -272,9 +268,6 @@ class Heartbeat:
         """Give up every execution of this boot, and start a new boot with a lease of its own."""
         self.validity.lapse(self.generation, why)
 
-    def _drop(self, boot: str) -> None:
-        self.renewals.drop(boot, self.time_left())
-
     def _run(self) -> None:
         while True:
             self._wake.wait(self._until_next())
@@ -300,7 +293,7 @@ class Heartbeat:
         try:
             with logs.redis_fault_let_go(logger, "cannot drop the lease of %s", self.node):
                 if os.getpid() == self.pid and self.leased:  # else no lease of this boot to drop
-                    self._drop(self.boot)
+                    self.renewals.drop(self.boot, self.time_left())
         finally:
             if self.presence is not None:  # after the lease: its going says nothing to the others then
                 self.presence.stop()

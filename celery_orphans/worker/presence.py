@@ -48,7 +48,7 @@ from redis.retry import Retry
 from celery_orphans import leases, logs, scripts
 from celery_orphans.conf import settings
 from celery_orphans.store import Keys, client
-from celery_orphans.worker import forfeit
+from celery_orphans.worker import forfeit, validity
 from celery_orphans.worker.presence_loss import Loss, early_seconds, server_down, wait_seconds
 
 logger = logs.get(__name__)
@@ -70,23 +70,22 @@ class Presence:
         node: str,
         on_change: Callable[[], None] | None = None,
         *,
-        stoppable: bool = True,
-        self_watching: bool = False,
+        pool: Any = "prefork",
     ) -> None:
         """``on_change()`` is called from the thread each time the subscription is made, and when it ended
         by itself where that forfeits the executions (``presence_loss.Loss``): the heartbeat renews at
         once, so that its presence is recorded, or withdrawn, without waiting for the next beat.
-        ``stoppable``: ``early_seconds``.
-        ``self_watching``: its executions run in pool processes that watch for themselves (the prefork
-        pool's), so that the loss of the connection can forfeit them in time (``presence_loss.py``)."""
+        ``pool``: the worker's pool class, or Celery's name for it. Whether it can stop an execution
+        decides ``early_seconds``; whether its executions run in processes that watch for themselves
+        (the prefork pool's), whether losing the connection can forfeit them in time (``presence_loss``)."""
         self.node = node
         self.keys = Keys.current()
         self.channel = self.keys.presence_channel(uuid.uuid4().hex)
         self.on_change = on_change
         self.pid = os.getpid()
         self.wait_ms = int(wait_seconds() * 1000)
-        self.stoppable, self.self_watching = stoppable, self_watching
-        self.early_ms = int(early_seconds(stoppable) * 1000)
+        self.stoppable, self.self_watching = validity.stoppable(pool), validity.self_watching(pool)
+        self.early_ms = int(early_seconds(self.stoppable) * 1000)
         self.loss = Loss(node, self._changed)
         self._conn: Any = None
         self._subscribed = threading.Event()
