@@ -119,10 +119,26 @@ def test_a_pool_process_reads_the_kernel_only_while_its_main_process_is_silent(
     forfeit.presence_socket(sockets.inode(client.fileno()))
     server.close()
     check = forfeit.PresenceCheck()
+    check._resumed -= 2 * forfeit.MAIN_SILENT_SECONDS  # the watchdog has been slicing for a while
 
     forfeit.main_alive()
     assert not check.closed()  # the main process speaks for its connection
     forfeit._validity[4] = clock.now() - forfeit.MAIN_SILENT_SECONDS - 0.1
     assert check.closed()
     forfeit.presence_socket(0)  # its holder closed it on purpose, or holds none
-    assert not forfeit.PresenceCheck().closed()
+    assert not check.closed()
+
+
+def test_a_pool_process_stopped_with_its_main_process_does_not_count_their_common_stop_as_silence(
+    connected: tuple[socket.socket, socket.socket],
+):
+    client, server = connected
+    forfeit.presence_socket(sockets.inode(client.fileno()))
+    server.close()  # as a restart of Redis during the stop does
+    check = forfeit.PresenceCheck()
+    forfeit._validity[4] = clock.now() - 10  # the main process's last word, before the stop
+    check._last = check._resumed = clock.now() - 10  # this process's last slice, before the stop too
+
+    assert not check.closed()  # thawed together: the main process gets its time to speak
+    check._resumed -= 2 * forfeit.MAIN_SILENT_SECONDS  # and did not, a second after the thaw
+    assert check.closed()

@@ -134,25 +134,26 @@ def main_alive() -> None:
     _validity[4] = clock.now()
 
 
-def main_silent_for() -> float:
-    """How long the main process has given no sign of life."""
-    return clock.now() - float(_validity[4])
-
-
 class PresenceCheck:
     """Whether the presence connection of a main process silent for ``MAIN_SILENT_SECONDS`` was closed or
-    reset by its peer, by the kernel's word (``sockets.py``): read by a pool process's watchdog, which
-    kills the process if so (``watchdog.py``). The kernel is asked at most every ``SOCKET_CHECK_SECONDS``,
-    and only while the main process is silent."""
+    reset by its peer, by the kernel's word (``sockets.py``): read by a pool process's watchdog at each
+    of its slices while it runs an execution, which kills the process if so (``watchdog.py``). The kernel
+    is asked at most every ``SOCKET_CHECK_SECONDS``, and only while the main process is silent. A slice
+    that comes that late says this process was stopped or starved too (a whole worker frozen, then
+    thawed): the main process's silence counts from then on, not from before."""
 
     def __init__(self) -> None:
         self._next = 0.0
+        self._last = self._resumed = clock.now()
 
     def closed(self) -> bool:
+        now = clock.now()
+        if now - self._last >= MAIN_SILENT_SECONDS:
+            self._resumed = now
+        self._last = now
         inode = watched_socket()
-        if not inode or main_silent_for() < MAIN_SILENT_SECONDS:
+        if not inode or now - max(float(_validity[4]), self._resumed) < MAIN_SILENT_SECONDS:
             return False
-        now = time.monotonic()
         if now < self._next:
             return False
         self._next = now + SOCKET_CHECK_SECONDS
