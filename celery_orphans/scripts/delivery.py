@@ -23,6 +23,9 @@ import hashlib
 # ('ran'), so the same copy delivered again once its execution ended and its entry went (a recovery
 # published twice) is dropped as stale. The fence's 'copy' is the attempt the current copy carries, which
 # such a count leaves as it was; the fence drops copies older than it.
+# An entry that already carries this write's token (ARGV[4]) is this very write's, made before by a try
+# whose answer was lost (the writing boot gave the message back unrun and, delivered again, sends it
+# once more): it is neither a duplicate nor a redelivery to count again, and is written over.
 # An entry is never written under a boot the sweep would judge gone (its lease key and its record's last
 # renewal both lapsed): a write held up by the network (a dark link that heals) lands after the writer gave
 # that boot up and ran the task unprotected, and an entry naming the gone boot would have it recovered
@@ -66,7 +69,7 @@ local redelivered, found = 0, false
 if tonumber(ARGV[7]) > 0 or ARGV[10] == '1' or msg_attempt > 0 then
   local old = redis.call('HMGET', KEYS[2], 'token', 'copy', 'entry', 'lease', 'handed_back', 'record', 'boot')
   if msg_attempt > 0 and f[5] == copy and old[2] ~= copy then return {0, attempts, 0} end
-  if old[1] and old[2] == copy then
+  if old[1] and old[2] == copy and old[1] ~= ARGV[4] then
     found = old[3]
     local owner = old[4]
     if ARGV[10] == '1' and not old[5] and owner and (owner == ARGV[9] or alive(owner, old[6], old[7])) then

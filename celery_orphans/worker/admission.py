@@ -24,7 +24,7 @@ from celery_orphans.worker.admission_line import admit
 from celery_orphans.worker.checkpoint import NO_CHECKPOINT
 from celery_orphans.worker.forfeit import GENERATION
 from celery_orphans.worker.heartbeat import Heartbeat
-from celery_orphans.worker.hold import holds, later
+from celery_orphans.worker.hold import give_back_marked, holds, later
 from celery_orphans.worker.outbox import outbox
 from celery_orphans.worker.takeover import boot_ledger, entry_for
 
@@ -92,7 +92,9 @@ class AdmittedRequest(_Request):
         # The generation whose boot the entry names is the one stamped on the execution, whatever the
         # generation is by the time the write is answered.
         generation = heartbeat.generation
-        token = heartbeat.token()
+        # A message this boot gave back when its write got no answer is written with that write's token:
+        # an entry the write left is then its own (``ADMIT``), not a live execution to drop it for.
+        token = holds.token_for(self.id, heartbeat.boot) or heartbeat.token()
         entry = entry_for(self, heartbeat, token)
         if heartbeat.generation != generation:  # given up meanwhile: the entry names a boot with no lease
             return self._orphans_admit()
@@ -128,7 +130,11 @@ class AdmittedRequest(_Request):
                     # No answer in time: the write may yet land, and a sweep that reaches Redis may
                     # recover the earlier delivery's entry meanwhile. Run here as well, the task would run
                     # twice.
-                    return self._orphans_hold(f"its ledger write got no answer in time ({exc})")
+                    # Redis may have written its entry, naming this live boot: marked handed back before
+                    # the message goes, and written over at its next delivery here (``hold.py``).
+                    holds.unanswered(self.id, token)
+                    why = f"its ledger write got no answer in time ({exc})"
+                    return self._orphans_hold(why, unanswered=(current, token))
                 # A first delivery's write that may yet land names this live boot: held, the message would
                 # meet its own entry when delivered again, and be dropped as a duplicate. It runs.
                 logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
@@ -256,18 +262,29 @@ class AdmittedRequest(_Request):
         )
         self._orphans_drop()
 
+    def _orphans_requeue(self) -> None:
+        self.reject(requeue=True)
+
     def _orphans_drop(self) -> None:
         task_ready(self)
         self._already_revoked = True
         self.acknowledge()
 
-    def _orphans_hold(self, why: str, *, worker_wide: bool = False) -> bool:
+    def _orphans_hold(
+        self, why: str, *, worker_wide: bool = False, unanswered: tuple[Ledger, str] | None = None
+    ) -> bool:
         """Give a message back to the broker, unrun, when its admission was not recorded (``hold.py``). It
         is delivered again, and admitted (or dropped as overtaken) once the ledger records it.
-        ``worker_wide``: the trouble is the worker's, not this message's."""
+        ``worker_wide``: the trouble is the worker's, not this message's. ``unanswered``: the ledger and
+        token of a write that got no answer, whose entry is marked handed back first."""
         wait = holds.wait_before(self.name, self.id, why, worker_wide=worker_wide)
         task_ready(self)
         self._already_revoked = True
+        heartbeat = lifecycle.current()
+        if unanswered is not None and heartbeat is not None:
+            ledger, token = unanswered
+            give_back_marked(ledger, self.id, token, heartbeat, wait, self._orphans_requeue)
+            return False
         if not wait or not later(wait, self.reject, True):
             self.reject(requeue=True)
         return False

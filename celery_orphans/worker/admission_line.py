@@ -44,8 +44,9 @@ def admit(
     ``redis.ConnectionError``) once they are spent or the connection failed."""
     command = ledger.admit_command(entry, releases, terms)
     deadline = time.monotonic() + seconds
-    # Never sent twice: a write that reached Redis before its connection failed would find its own entry
-    # and be refused as a duplicate of itself. A failure is a failed write (the delivery runs unprotected).
+    # Never sent twice: a failure is a write that may or may not have landed, and the caller decides (a
+    # message delivered before goes back to the broker, and its next delivery here carries the same
+    # token, which writes over the entry such a write left: ``ADMIT``).
     reply = _execute(ledger, command, seconds)
     if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost its scripts (a restart)
         reply = _execute(ledger, (b"EVAL", scripts.ADMIT, *command[2:]), deadline - time.monotonic())

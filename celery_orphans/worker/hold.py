@@ -22,11 +22,14 @@ import logging
 import time
 from collections.abc import Callable
 
+import redis
 from kombu.asynchronous import get_event_loop
 from kombu.utils.compat import detect_environment
 
 from celery_orphans import logs
 from celery_orphans.conf import settings
+from celery_orphans.ledger import Ledger
+from celery_orphans.worker import admission_line
 from celery_orphans.worker.heartbeat import Heartbeat
 
 logger = logs.get(__name__)
@@ -48,6 +51,8 @@ class Holds:
         self._failing_open = False  # the hold ran out: said once per trouble
         self._worker_wait = 0.0  # the next wait while the trouble is the worker's (0: none yet)
         self._worker_said = False
+        # The token of each task given back when its write got no answer: Redis may have written its entry.
+        self._unanswered: dict[str, str] = {}
 
     def refused(self) -> None:
         """The ledger refused an entry of this process (from the main loop or the outbox's thread)."""
@@ -63,6 +68,17 @@ class Holds:
             self._worker_wait, self._worker_said = 0.0, False
         if answered:
             self.refused_since, self._failing_open = None, False
+
+    def unanswered(self, task_id: str, token: str) -> None:
+        """``task_id`` goes back to the broker after its write, made with ``token``, got no answer."""
+        if len(self._unanswered) >= REMEMBERED:
+            self._unanswered.clear()
+        self._unanswered[task_id] = token
+
+    def token_for(self, task_id: str, boot: str) -> str | None:
+        """The token of ``task_id``'s unanswered write, if ``boot`` made it; forgotten once asked for."""
+        token = self._unanswered.pop(task_id, None)
+        return token if token is not None and token.startswith(f"{boot}.") else None
 
     def holding(self, heartbeat: Heartbeat) -> bool:
         """Whether a delivery that cannot be recorded goes back to the broker unrun: while this worker's
@@ -111,6 +127,39 @@ class Holds:
 
 
 holds = Holds()
+
+
+def give_back_marked(
+    ledger: Ledger,
+    task_id: str,
+    token: str,
+    heartbeat: Heartbeat,
+    wait: float,
+    give_back: Callable[[], object],
+) -> None:
+    """``give_back()`` a message whose write, made with ``token``, got no answer, once the entry Redis may
+    have written for it is marked handed back (``HAND_BACK``: a message given back by its worker), so
+    that no worker the broker delivers it to takes it for a duplicate of a live execution and drops it.
+    The mark is tried in ``wait`` seconds, then again, waiting twice as long each time up to a heartbeat,
+    while the link gives no answer; the message stays with this worker meanwhile, unrun. It goes back
+    unmarked once the boot that wrote the entry was given up: a sweep may then recover the task from it.
+    """
+    generation = heartbeat.generation
+
+    def attempt(wait: float) -> None:
+        if heartbeat.generation == generation:
+            try:
+                admission_line.hand_back(ledger, task_id, token, heartbeat.time_left())
+            except (redis.ConnectionError, redis.TimeoutError):
+                wait = min(settings.HEARTBEAT_SECONDS, 2 * wait)
+                if later(wait, attempt, wait):
+                    return
+            except redis.RedisError:
+                pass  # refused: nothing was marked, as when Redis refuses the mark of a requeue
+        give_back()
+
+    if not later(max(wait, FIRST_WAIT_SECONDS), attempt, max(wait, FIRST_WAIT_SECONDS)):
+        attempt(FIRST_WAIT_SECONDS)
 
 
 def later(seconds: float, call: Callable[..., object], *args: object) -> bool:

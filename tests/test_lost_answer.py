@@ -1,0 +1,119 @@
+"""A waiting admission whose write Redis applies while the boot's lease holds, but whose answer is lost.
+
+A recovered copy's admission (``worker/admission_line.py``) waits for the admit script's verdict. Here its
+connection to the ledger, already open, carries the worker's bytes to Redis and holds Redis's replies
+(``one_way(UP)``, only on the admission's own connection, so the heartbeat goes on renewing the lease): the
+script runs and writes the copy's entry, naming this worker's live boot, and the worker, with no answer in
+time, gives the copy back to the broker unrun. Delivered again, to the same worker or to another, the copy
+must not be taken for a duplicate of the live execution that entry names: none runs anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import pytest
+
+from celery_orphans.store import Keys
+from celery_orphans.worker.admission_line import ADMISSION_CLIENT_NAME
+from tests.faults import report
+from tests.helpers import (
+    finishes,
+    ledger_env,
+    outcome_of,
+    started_on,
+    starts,
+    sweep_now,
+    sweep_until,
+    wait_for,
+)
+from tests.services import UP, TcpProxy
+
+pytestmark = pytest.mark.worker
+
+DARK_SECONDS = 4.0  # the replies are held this long after the copy is sent: it is given back meanwhile
+
+
+@pytest.mark.parametrize("redelivered_to", ["itself", "a peer"])
+def test_a_recovered_copy_whose_written_entry_got_no_answer_runs_once_when_delivered_again(
+    workers: Any, redis_client: Any, redelivered_to: str
+) -> None:
+    """``itself``: the worker whose answer was lost gets the copy back. ``a peer``: another worker, whose
+    own link is sound, is given it once the first gave it back. Before, either dropped it as a duplicate
+    of the live execution the entry names, and the sweeps left the task to that worker (``boot_alive``)
+    for as long as it lived: it never ran."""
+    from celery import current_app
+    from demoapp.tasks import summarize
+
+    from celery_orphans.decision import Action
+
+    port = int(redis_client.connection_pool.connection_kwargs["port"])
+    proxy = TcpProxy(port, only=ADMISSION_CLIENT_NAME.encode())
+    try:
+        doomed = workers.start("doomed-lost@test", queues=("lost",))
+        survivor = workers.start("survivor-lost@test", env=ledger_env(proxy), queues=("other",))
+        peer = workers.start("peer-lost@test", queues=("peer",)) if redelivered_to == "a peer" else None
+        # A task with an ETA waits for its admission's verdict: it opens the admission's connection, on
+        # which the copy's write then reaches Redis (a connection made while the replies are held never
+        # gets past its handshake, and sends nothing).
+        warm = summarize.apply_async(([1],), countdown=0.1, queue="other")
+        assert warm.get(timeout=20) == 1
+        result = summarize.apply_async(([2, 3],), {"seconds": 3}, queue="lost")
+        started_on(result.id, "doomed-lost@test")
+        doomed.kill()
+        proxy.one_way(UP)  # the admission's writes reach Redis; its answers do not come back
+        current_app.control.add_consumer("lost", destination=["survivor-lost@test"], reply=True, timeout=5)
+        sweep_until(result.id, Action.RECOVER)
+        sent = time.monotonic()
+        held = f"gave demoapp.summarize[{result.id}] back to the broker unrun"
+        wait_for(lambda: held in survivor.log(), 20, "the recovered copy to be handed back", interval=0.05)
+        given_back_after = time.monotonic() - sent
+        entry = redis_client.hgetall(Keys.current().entry(result.id))
+        written = b"survivor-lost@test" in entry.get(b"entry", b"") + entry.get(b"lease", b"")
+        if peer is not None:
+            current_app.control.cancel_consumer("lost", destination=["survivor-lost@test"], reply=True)
+            current_app.control.add_consumer("lost", destination=["peer-lost@test"], reply=True, timeout=5)
+        time.sleep(max(0.0, DARK_SECONDS - (time.monotonic() - sent)))
+        ran_while_dark = starts(result.id) - 1
+        proxy.restore()
+        restored = time.monotonic()
+        ran_after = -1.0  # never
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: starts(result.id) >= 2, 8, "the recovered copy to run", interval=0.05)
+            ran_after = time.monotonic() - restored
+        swept = "none"
+        if ran_after < 0:
+            # Dropped as a duplicate of the execution its entry names, which its live worker does not
+            # have: a sweep that asks that worker could recover the task from the entry.
+            found = outcome_of(sweep_now(), result.id).decision
+            swept = f"{found.action.value}:{found.reason.value}:{found.evidence.value}"
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: starts(result.id) >= 2, 5, "a second recovery to run", interval=0.05)
+        with contextlib.suppress(Exception):
+            result.get(timeout=20)
+        time.sleep(1)  # a second run would have begun by now
+        status = result.state
+    finally:
+        proxy.close()
+    logs = survivor.log() + (peer.log() if peer is not None else "")
+    report(
+        f"recovered copy written but unanswered, delivered again to {redelivered_to}",
+        given_back_after_seconds=given_back_after,
+        entry_written_by_the_unanswered_write=written,
+        ran_while_dark=ran_while_dark,
+        started_after_restore_seconds=ran_after,
+        dropped_as_duplicate="dropped a duplicate" in logs,
+        sweep=swept,
+        status=status,
+        executions=starts(result.id),
+        finished=finishes(result.id),
+    )
+    assert written, "the unanswered write was not applied: this is not the case under test"
+    assert ran_while_dark == 0
+    # The entry is marked handed back before the copy goes back to the broker, once the answers come
+    # again; delivered to the same worker, its write goes with the same token and writes over it.
+    assert "dropped a duplicate" not in logs and swept == "none" and ran_after >= 0, swept
+    assert starts(result.id) == 2 and finishes(result.id) == 1  # the lost run, and the recovered one once
+    assert status == "SUCCESS" and result.get(timeout=1) == 5
