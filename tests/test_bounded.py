@@ -5,12 +5,20 @@ retries."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
+from celery_orphans import store
+from celery_orphans.ledger import Ledger
+from celery_orphans.store import Keys
+from celery_orphans.worker import admission_line
 from celery_orphans.worker.bounded import Line
-from tests.services import TcpProxy
+from celery_orphans.worker.outbox import Outbox
+from tests.factories import work_entry
+from tests.faults import report
+from tests.services import SentinelSet, TcpProxy
 
 
 def port_of(redis_client: redis.Redis) -> int:
@@ -52,3 +60,80 @@ def test_a_call_to_a_blackholed_redis_gives_up_at_its_bound(
         proxy.close()
 
     assert took < 0.3 + 0.2, took
+
+
+# --- through Redis Sentinel: the question of where the master is ------------------------------------------
+
+SENTINELS = 3  # as a deployment lists them; redis-py asks each in turn, for up to its 1 s socket timeout
+
+
+@pytest.fixture
+def dark_sentinels(sentinel_servers: SentinelSet) -> Iterator[tuple[TcpProxy, Ledger]]:
+    """A ledger reached through three sentinel addresses, all behind one proxy (blackholed by the test);
+    the master itself stays reachable."""
+    proxy = TcpProxy(sentinel_servers.sentinel.port)
+    url = ";".join(f"sentinel://127.0.0.1:{proxy.port}/0" for _ in range(SENTINELS))
+    client = store._connect(url, sentinel_servers.sentinel.name)
+    try:
+        yield proxy, Ledger(client, Keys.current())
+    finally:
+        proxy.close()
+        client.close()
+
+
+def _within(call: Callable[[], object]) -> float:
+    """How long ``call`` took to fail for want of an answer."""
+    started = time.monotonic()
+    with pytest.raises((redis.TimeoutError, redis.ConnectionError)):
+        call()
+    return time.monotonic() - started
+
+
+BOUND = 0.3
+
+
+def test_through_blackholed_sentinels_a_line_gives_up_connecting_at_its_bound(
+    dark_sentinels: tuple[TcpProxy, Ledger],
+) -> None:
+    """Before, the master lookup asked each sentinel for 1 s: 3.0 s here, whatever the bound."""
+    proxy, ledger = dark_sentinels
+    line = Line(ledger.client, "bounded-test")
+    assert line.execute([("PING",)], 2.0)  # the sentinels name the master, which answers
+    line.close()  # the next call connects anew, and asks the sentinels again
+    proxy.blackhole()
+
+    took = _within(lambda: line.execute([("PING",)], BOUND))
+    report("bounded line through blackholed sentinels", took_seconds=took, bound_seconds=BOUND)
+
+    proxy.restore()
+    assert line.execute([("PING",)], 2.0)
+    assert took < BOUND + 0.2, took
+
+
+def test_through_blackholed_sentinels_the_fence_read_and_the_removal_made_at_once_give_up_at_their_bound(
+    dark_sentinels: tuple[TcpProxy, Ledger],
+) -> None:
+    """The fence read of a delivery that runs unrecorded (``admission_line.stale``) and the removal the
+    outbox makes at once (``release(now=True)``) connect through the sentinels when their connection was
+    lost. Before, each waited 3.0 s here."""
+    proxy, ledger = dark_sentinels
+    entry = work_entry("dark-sentinel")
+    assert admission_line.stale(ledger, entry, 2.0) is False
+    admission_line._line_to(ledger).close()
+    proxy.blackhole()
+
+    fence_read = _within(lambda: admission_line.stale(ledger, entry, BOUND))
+    outbox = Outbox(delay=60)
+    started = time.monotonic()
+    outbox.release(ledger, "dark-sentinel", "token", now=True, seconds=BOUND)
+    removal = time.monotonic() - started
+    report(
+        "fence read and removal through blackholed sentinels",
+        fence_read_seconds=fence_read,
+        removal_seconds=removal,
+        bound_seconds=BOUND,
+    )
+
+    assert outbox.take(ledger, 1.0) == [("dark-sentinel", "token")]  # left queued, for the outbox's thread
+    assert fence_read < BOUND + 0.2, fence_read
+    assert removal < BOUND + 0.2, removal

@@ -4,7 +4,9 @@ redis-py's own client waits up to its socket timeout for each try, retries, and 
 ``connect()``: against a peer that drops packets without closing (a partition, a frozen proxy, a dead NAT
 entry) that adds up to tens of seconds. A ``Line`` is one connection of its own, made without retries,
 whose every call (connecting included) is bounded by the seconds given: the heartbeat gives what is left of
-its validity, so a renewal never runs past the instant the lease may lapse.
+its validity, so a renewal never runs past the instant the lease may lapse. Through Redis Sentinel, the
+question of where the master is, asked as the connection is made, is bounded too: redis-py asks each
+sentinel in turn, each for up to its own socket timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError, SentinelConnectionPool
 
 # The least time a call is given: below it, not even a healthy Redis on the same machine answers reliably.
 SHORTEST_SECONDS = 0.05
@@ -28,6 +31,7 @@ class Line:
     def __init__(self, client: redis.Redis[bytes], name: str) -> None:
         self.client = client
         pool = client.connection_pool
+        self._lookup = _MasterLookup(pool) if isinstance(pool, SentinelConnectionPool) else None
         # No health check: it would be one more unbounded round trip. A call that fails drops the
         # connection, and the next one connects anew (through a sentinel, to wherever the master is now).
         self._conn: AbstractConnection = pool.connection_class(
@@ -36,6 +40,7 @@ class Line:
                 "health_check_interval": 0,
                 "retry": Retry(NoBackoff(), 0),
                 "client_name": name,
+                **({"connection_pool": self._lookup} if self._lookup is not None else {}),
             }
         )
 
@@ -45,6 +50,8 @@ class Line:
         when the time ran out or the connection failed (it is closed then)."""
         deadline = time.monotonic() + max(seconds, SHORTEST_SECONDS)
         conn: Any = self._conn  # redis-py's stubs know neither bytes commands nor a read's timeout
+        if self._lookup is not None:
+            self._lookup.deadline = deadline
         try:
             self._bound(conn, deadline)
             conn.connect()
@@ -79,3 +86,51 @@ class Line:
 
     def close(self) -> None:
         self._conn.disconnect()
+
+
+class _MasterLookup:
+    """What a Sentinel-managed connection asks where its master is, in place of its pool's own proxy: the
+    same question to each sentinel in turn, on a connection of its own that gives up at ``deadline``
+    (``time.monotonic()``), which the ``Line`` sets before each call."""
+
+    is_master = True
+    check_connection = False  # no PING on connect: one more round trip
+
+    def __init__(self, pool: SentinelConnectionPool) -> None:
+        self.service_name: str = pool.service_name
+        self._manager: Any = pool.sentinel_manager
+        self.deadline = 0.0
+
+    def get_master_address(self) -> tuple[str, int]:
+        errors = []
+        for sentinel in list(self._manager.sentinels):
+            left = Line._left(self.deadline)
+            sentinel_pool = sentinel.connection_pool
+            asked = redis.Redis(
+                connection_pool=redis.ConnectionPool(
+                    connection_class=sentinel_pool.connection_class,
+                    **{
+                        **sentinel_pool.connection_kwargs,
+                        "socket_timeout": left,
+                        "socket_connect_timeout": left,
+                        "retry": Retry(NoBackoff(), 0),
+                        "health_check_interval": 0,
+                    },
+                )
+            )
+            try:
+                masters: Any = asked.execute_command("SENTINEL MASTERS")
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                errors.append(repr(exc))
+                continue
+            finally:
+                asked.close()
+                asked.connection_pool.disconnect()
+            state = masters.get(self.service_name)
+            if state and self._manager.check_master_state(state, self.service_name):
+                forced = getattr(self._manager, "_force_master_ip", None)
+                return (forced if forced is not None else state["ip"]), int(state["port"])
+        raise MasterNotFoundError(f"no sentinel names a master for {self.service_name!r}: {errors}")
+
+    def rotate_slaves(self) -> Any:  # a master's connection never asks; redis-py's type requires it
+        raise MasterNotFoundError("the bounded line reaches masters only")
