@@ -21,6 +21,7 @@ from celery_orphans.entry import HEADER, Entry
 from celery_orphans.ledger import Ledger, Terms
 from celery_orphans.worker import admission_line, clock, lifecycle, redelivery
 from celery_orphans.worker.admission_line import admit
+from celery_orphans.worker.bounded import NotSent
 from celery_orphans.worker.checkpoint import NO_CHECKPOINT
 from celery_orphans.worker.forfeit import GENERATION
 from celery_orphans.worker.heartbeat import Heartbeat
@@ -130,10 +131,12 @@ class AdmittedRequest(_Request):
                     # No answer in time: the write may yet land, and a sweep that reaches Redis may
                     # recover the earlier delivery's entry meanwhile. Run here as well, the task would run
                     # twice.
-                    # Redis may have written its entry, naming this live boot: marked handed back before
-                    # the message goes, and written over at its next delivery here (``hold.py``).
-                    holds.unanswered(self.id, token)
+                    # Once sent, Redis may have written its entry, naming this live boot: marked handed
+                    # back before the message goes, and written over at its next delivery here.
                     why = f"its ledger write got no answer in time ({exc})"
+                    if isinstance(exc, NotSent):
+                        return self._orphans_hold(why)
+                    holds.unanswered(self.id, token)
                     return self._orphans_hold(why, unanswered=(current, token))
                 # A first delivery's write that may yet land names this live boot: held, the message would
                 # meet its own entry when delivered again, and be dropped as a duplicate. It runs.

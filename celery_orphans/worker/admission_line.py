@@ -26,7 +26,7 @@ import redis
 from celery_orphans import scripts
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Admission, Ledger, Terms, admission
-from celery_orphans.worker.bounded import Line
+from celery_orphans.worker.bounded import Line, NotSent
 
 # How the connection shows in Redis's CLIENT LIST.
 ADMISSION_CLIENT_NAME = "celery-orphans-admission"
@@ -83,7 +83,7 @@ def _execute(ledger: Ledger, command: tuple[Any, ...], seconds: float) -> Any:
     included."""
     deadline = time.monotonic() + seconds
     if not _using.acquire(timeout=max(0.0, seconds)):
-        raise redis.TimeoutError("the ledger's bounded connection stayed busy")
+        raise NotSent("the ledger's bounded connection stayed busy")
     try:
         [reply] = _line_to(ledger).execute([command], deadline - time.monotonic())
         return reply

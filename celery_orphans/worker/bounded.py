@@ -25,6 +25,11 @@ from redis.sentinel import MasterNotFoundError, SentinelConnectionPool
 SHORTEST_SECONDS = 0.05
 
 
+class NotSent(redis.ConnectionError):
+    """A call that failed before any of its commands was sent (its connection could not be made in
+    time): none of them reached Redis, nor ever will."""
+
+
 class Line:
     """One connection to the Redis of ``client`` (its URL, credentials, TLS, sentinels), without retries."""
 
@@ -53,8 +58,11 @@ class Line:
         if self._lookup is not None:
             self._lookup.deadline = deadline
         try:
-            self._bound(conn, deadline)
-            conn.connect()
+            try:
+                self._bound(conn, deadline)
+                conn.connect()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                raise NotSent(str(exc)) from exc
             self._bound(conn, deadline)
             conn.send_packed_command(conn.pack_commands(commands), check_health=False)
             replies: list[Any] = []
