@@ -137,3 +137,50 @@ def test_through_blackholed_sentinels_the_fence_read_and_the_removal_made_at_onc
     assert outbox.take(ledger, 1.0) == [("dark-sentinel", "token")]  # left queued, for the outbox's thread
     assert fence_read < BOUND + 0.2, fence_read
     assert removal < BOUND + 0.2, removal
+
+
+# --- the outbox's own connection, made on the worker's main loop for a first-hand delivery ---------------
+
+
+def test_the_outboxs_connection_to_a_blackholed_ledger_gives_up_at_its_bound(
+    redis_client: redis.Redis,
+) -> None:
+    """Before, the main loop waited out the client's 5 s socket timeout as it loaded the script: 5.0 s."""
+    proxy = TcpProxy(port_of(redis_client))
+    try:
+        client = redis.Redis.from_url(proxy.url(), socket_timeout=5, socket_connect_timeout=5)
+        ledger = Ledger(client, Keys.current())
+        outbox = Outbox(delay=60)
+        outbox.release(ledger, "done", "token")
+        proxy.blackhole()
+
+        took = _within(lambda: outbox.admit(ledger, work_entry("dark"), "lease", seconds=BOUND))
+        report("outbox connection to a blackholed ledger", took_seconds=took, bound_seconds=BOUND)
+
+        assert outbox.take(ledger, 1.0) == [("done", "token")]  # nothing was sent: the removal stays queued
+        proxy.restore()
+        outbox.admit(ledger, work_entry("healed"), "lease", seconds=2.0)  # the next write connects anew
+        assert outbox.settle(2.0)
+    finally:
+        proxy.close()
+        client.close()
+
+    assert took < BOUND + 0.2, took
+
+
+def test_through_blackholed_sentinels_the_outboxs_connection_gives_up_at_its_bound(
+    dark_sentinels: tuple[TcpProxy, Ledger],
+) -> None:
+    """Before, the master lookup asked each sentinel for its 1 s, for the script's load (tried again) and
+    for the connection: 12.7 s here, whatever the bound."""
+    proxy, ledger = dark_sentinels
+    proxy.blackhole()
+    outbox = Outbox(delay=60)
+
+    took = _within(lambda: outbox.admit(ledger, work_entry("dark-sentinel"), "lease", seconds=BOUND))
+    report("outbox connection through blackholed sentinels", took_seconds=took, bound_seconds=BOUND)
+
+    proxy.restore()
+    outbox.admit(ledger, work_entry("healed"), "lease", seconds=2.0)
+    assert outbox.settle(2.0)
+    assert took < BOUND + 0.2, took

@@ -122,7 +122,7 @@ class AdmittedRequest(_Request):
                 entry,
                 releases,
                 Terms(lease=lease, cap=cap, ttl=ttl, single_flight=redelivery.single_flight()),
-                heartbeat.valid_until + heartbeat.margin - clock.now(),
+                _bound(heartbeat),
             )
         except redis.RedisError as exc:
             outbox.give_back(current, releases)
@@ -221,9 +221,11 @@ class AdmittedRequest(_Request):
         self, current: Ledger, entry: Entry, lease: str, heartbeat: Heartbeat, generation: int
     ) -> bool | None:
         """Write a first-hand delivery's entry without waiting: whether it runs, or ``None`` if the entry
-        could not be sent (it is written the slow way, whose client retries)."""
+        could not be sent (it is written the slow way, waiting for its verdict)."""
         try:
-            outbox.admit(current, entry, lease, self._orphans_answered)
+            # A connection made for it is bounded as a waiting admission is (below): the write that could
+            # not be sent in time is made the slow way, with what is left of the same bound.
+            outbox.admit(current, entry, lease, self._orphans_answered, _bound(heartbeat))
         except redis.RedisError:
             return None
         if heartbeat.generation != generation:
@@ -291,3 +293,8 @@ class AdmittedRequest(_Request):
         if not wait or not later(wait, self.reject, True):
             self.reject(requeue=True)
         return False
+
+
+def _bound(heartbeat: Heartbeat) -> float:
+    """What an admission's ledger call may take: until the boot's lease may lapse in Redis."""
+    return heartbeat.valid_until + heartbeat.margin - clock.now()

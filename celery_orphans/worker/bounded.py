@@ -95,6 +95,18 @@ class Line:
     def close(self) -> None:
         self._conn.disconnect()
 
+    def detach(self) -> AbstractConnection:
+        """The line's connection, for a caller that goes on using it on its own (the line is not used
+        again): its socket waits as the client's own would again, for what its new owner reads on it."""
+        conn: Any = self._conn
+        kwargs = self.client.connection_pool.connection_kwargs
+        conn.socket_timeout = kwargs.get("socket_timeout")
+        conn.socket_connect_timeout = kwargs.get("socket_connect_timeout")
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            sock.settimeout(conn.socket_timeout)
+        return self._conn
+
 
 class _MasterLookup:
     """What a Sentinel-managed connection asks where its master is, in place of its pool's own proxy: the

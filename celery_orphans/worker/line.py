@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from celery_orphans import logs
+from celery_orphans import logs, scripts
 from celery_orphans.entry import Entry
 from celery_orphans.ledger import Admission, Ledger, Terms
-from celery_orphans.worker import admission_line, lifecycle
+from celery_orphans.worker import admission_line, bounded, lifecycle
 
 if TYPE_CHECKING:
     from redis.connection import AbstractConnection
@@ -24,8 +24,20 @@ logger = logs.get(__name__)
 OUTBOX_CLIENT_NAME = "celery-orphans-outbox"
 
 
-def connect(ledger: Ledger) -> AbstractConnection:
-    """A connection of the outbox's own to ``ledger``'s Redis, connected, its scripts loaded."""
+def connect(ledger: Ledger, seconds: float | None = None) -> AbstractConnection:
+    """A connection of the outbox's own to ``ledger``'s Redis, connected, its scripts loaded; given
+    ``seconds``, within them or ``redis.RedisError`` (``bounded.NotSent`` when it could not be made).
+
+    The worker's main loop makes it for a first-hand delivery, and gives it what is left of the boot's
+    validity: through the client, a link gone dark held the loop for its connect timeout (5 s), and
+    through Redis Sentinel for each sentinel's socket timeout first (``bounded.py``)."""
+    if seconds is not None:
+        line = bounded.Line(ledger.client, OUTBOX_CLIENT_NAME)
+        [loaded] = line.execute([(b"SCRIPT", b"LOAD", scripts.ADMIT)], seconds)
+        if isinstance(loaded, redis.RedisError):
+            line.close()
+            raise loaded
+        return line.detach()
     ledger.load_scripts()
     pool = ledger.client.connection_pool
     # No health check: its PING would read an answer owed to an earlier write. A connection

@@ -63,18 +63,24 @@ class Outbox:
         _outboxes.add(self)
 
     def admit(
-        self, ledger: Ledger, entry: Entry, lease: str, on_answer: Callable[[bool], None] | None = None
+        self,
+        ledger: Ledger,
+        entry: Entry,
+        lease: str,
+        on_answer: Callable[[bool], None] | None = None,
+        seconds: float | None = None,
     ) -> None:
         """Write ``entry``, carrying the queued removals, without waiting for Redis's answer; once it
         comes, ``on_answer(recorded)`` says whether Redis recorded the entry. Raises
         ``redis.RedisError`` when it could not be sent; nothing was written then, the removals stay queued.
+        A connection made for it is made within ``seconds``, if given (``line.connect``).
         """
         with self._lock:
             self._ensure_thread()
             releases = self._pending.pop(ledger, [])
         line: Line | None = None
         try:
-            line = self._line(ledger)
+            line = self._line(ledger, seconds)
             with line.sending:
                 if line.lost:
                     raise redis.ConnectionError("the outbox's connection was lost")
@@ -161,11 +167,11 @@ class Outbox:
         ):
             ledger.release_many(releases)
 
-    def _line(self, ledger: Ledger) -> Line:
+    def _line(self, ledger: Ledger, seconds: float | None = None) -> Line:
         with self._lock:
             line = self._lines.get(ledger)
         if line is None:
-            conn = connect(ledger)
+            conn = connect(ledger, seconds)
             with self._lock:  # another thread may have made one meanwhile: one line per ledger
                 line = self._lines.setdefault(ledger, Line(ledger, conn))
             if line.conn is not conn:
