@@ -5,7 +5,8 @@ connection to the ledger, already open, carries the worker's bytes to Redis and 
 (``one_way(UP)``, only on the admission's own connection, so the heartbeat goes on renewing the lease): the
 script runs and writes the copy's entry, naming this worker's live boot, and the worker, with no answer in
 time, gives the copy back to the broker unrun. Delivered again, to the same worker or to another, the copy
-must not be taken for a duplicate of the live execution that entry names: none runs anywhere.
+must not be taken for a duplicate of the live execution that entry names: none runs anywhere. A first
+delivery that waits for its verdict (the outbox could not send its entry) is given back the same way.
 """
 
 from __future__ import annotations
@@ -117,3 +118,62 @@ def test_a_recovered_copy_whose_written_entry_got_no_answer_runs_once_when_deliv
     assert "dropped a duplicate" not in logs and swept == "none" and ran_after >= 0, swept
     assert starts(result.id) == 2 and finishes(result.id) == 1  # the lost run, and the recovered one once
     assert status == "SUCCESS" and result.get(timeout=1) == 5
+
+
+def test_a_first_delivery_whose_waiting_admission_gets_no_answer_is_handed_back_then_runs_once(
+    workers: Any, redis_client: Any
+) -> None:
+    """A first delivery waits for its admission's verdict when the outbox cannot send its entry (here its
+    connection is closed as it is made). Its write reaches Redis and the answer is held: before, the
+    task ran unprotected while its entry named the live boot; now it goes back to the broker unrun, its
+    entry marked handed back once the answers come again, and it runs once."""
+    from demoapp.tasks import summarize
+
+    from celery_orphans.worker.line import OUTBOX_CLIENT_NAME
+
+    port = int(redis_client.connection_pool.connection_kwargs["port"])
+    admission = TcpProxy(port, only=ADMISSION_CLIENT_NAME.encode())
+    outbox = TcpProxy(admission.port, only=OUTBOX_CLIENT_NAME.encode())  # in front of the other
+    try:
+        worker = workers.start("first-lost@test", env=ledger_env(outbox), queues=("first",))
+        # A task with an ETA opens the admission's connection (see above); it makes no outbox connection.
+        warm = summarize.apply_async(([1],), countdown=0.1, queue="first")
+        assert warm.get(timeout=20) == 1
+        outbox.cut()
+        admission.one_way(UP)
+        result = summarize.apply_async(([2, 3],), queue="first")
+        sent = time.monotonic()
+        held = f"gave demoapp.summarize[{result.id}] back to the broker unrun"
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: held in worker.log() or starts(result.id), 10, "the delivery to be held or run")
+        decided_after = time.monotonic() - sent
+        entry = redis_client.hgetall(Keys.current().entry(result.id))
+        written = b"first-lost@test" in entry.get(b"entry", b"") + entry.get(b"lease", b"")
+        time.sleep(max(0.0, DARK_SECONDS - (time.monotonic() - sent)))
+        ran_while_dark = starts(result.id)
+        admission.restore()
+        outbox.restore()
+        restored = time.monotonic()
+        ran_after = -1.0
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: starts(result.id) >= 1, 10, "the delivery to run", interval=0.05)
+            ran_after = time.monotonic() - restored
+        value = result.get(timeout=20)
+        time.sleep(1)  # a second run would have begun by now
+    finally:
+        outbox.close()
+        admission.close()
+    report(
+        "first delivery written but unanswered",
+        decided_after_seconds=decided_after,
+        entry_written_by_the_unanswered_write=written,
+        ran_while_dark=ran_while_dark,
+        started_after_restore_seconds=ran_after,
+        executions=starts(result.id),
+        finished=finishes(result.id),
+    )
+    assert written, "the unanswered write was not applied: this is not the case under test"
+    assert ran_while_dark == 0, "the first delivery ran unprotected while its admission got no answer"
+    assert held in worker.log() and "dropped a duplicate" not in worker.log()
+    assert ran_after >= 0 and value == 5
+    assert starts(result.id) == 1 and finishes(result.id) == 1

@@ -127,21 +127,20 @@ class AdmittedRequest(_Request):
         except redis.RedisError as exc:
             outbox.give_back(current, releases)
             if not isinstance(exc, redis.ResponseError):
-                if not redelivery.first_hand(self):
-                    # No answer in time: the write may yet land, and a sweep that reaches Redis may
-                    # recover the earlier delivery's entry meanwhile. Run here as well, the task would run
-                    # twice.
-                    # Once sent, Redis may have written its entry, naming this live boot: marked handed
-                    # back before the message goes, and written over at its next delivery here.
-                    why = f"its ledger write got no answer in time ({exc})"
-                    if isinstance(exc, NotSent):
-                        return self._orphans_hold(why)
-                    holds.unanswered(self.id, token)
-                    return self._orphans_hold(why, unanswered=(current, token))
-                # A first delivery's write that may yet land names this live boot: held, the message would
-                # meet its own entry when delivered again, and be dropped as a duplicate. It runs.
-                logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
-                return True
+                if redelivery.first_hand(self) and not holds.holding(heartbeat):
+                    # Past the bounded hold a first delivery runs unprotected; none can have been overtaken.
+                    logger.warning("cannot record %s[%s] in the ledger: %s", self.name, self.id, exc)
+                    return True
+                # No answer in time: the write may yet land, naming this live boot, and a sweep that
+                # reaches Redis may recover an earlier delivery's entry meanwhile. Run here, the task
+                # could run twice: the message goes back unrun. Once sent, Redis may have written its
+                # entry: marked handed back before the message goes, and written over at its next
+                # delivery here (``holds.token_for``); elsewhere, it is no duplicate of a live execution.
+                why = f"its ledger write got no answer in time ({exc})"
+                if isinstance(exc, NotSent):
+                    return self._orphans_hold(why)
+                holds.unanswered(self.id, token)
+                return self._orphans_hold(why, unanswered=(current, token))
             # Refused (OOM, READONLY, MISCONF): nothing was written. Held while the trouble is young;
             # then fail open: the task runs, it just cannot be recovered if this worker dies, and no sweep
             # can claim it from a refusing Redis either.
