@@ -6,6 +6,7 @@ worker judges no sooner than 2.5 s after it saw the loss."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -13,8 +14,9 @@ import pytest
 from celery import current_app
 
 from celery_orphans.models import OrphanEvent
-from tests.faults import quiet, report
-from tests.helpers import finishes, ledger_env, started_on, starts, wait_for
+from celery_orphans.worker.presence import CLIENT_NAME
+from tests.faults import overlap, quiet, report
+from tests.helpers import finishes, ledger_env, started_on, starts, sweep_now, wait_for
 from tests.services import TcpProxy
 from tests.workers import OWN_SWEEPS_ON
 
@@ -91,3 +93,54 @@ def test_a_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_re
     assert "gives up its boot" not in logs
     assert not OrphanEvent.objects.filter(task_id=result.id).exists()
     assert (starts(result.id), finishes(result.id)) == (1, 1)
+
+
+# Its presence connection keeps ending and is made again each time within the forfeit's 1.5 s, while its
+# renewals are refused: before, each connection made again disarmed the forfeit, and a sweep that had
+# marked the boot missing while it was lost judged it the next time it was: recovered 4.47 s in, while
+# the stale execution acted 2.67 s more (11 side effects), until its lease's margin.
+def test_a_live_worker_whose_presence_keeps_ending_while_its_renewals_fail_stops_its_task_before_it_is_judged(
+    workers: Any, redis_client: Any
+) -> None:
+    port = int(redis_client.connection_pool.connection_kwargs["port"])
+    user = "celery-orphans-flapping"
+    redis_client.acl_setuser(
+        user, enabled=True, passwords=["+flapping"], commands=["+@all"], keys=["*"], channels=["*"]
+    )
+    link = TcpProxy(port, only=CLIENT_NAME.encode())
+    done = threading.Event()
+
+    def flap() -> None:
+        while not done.is_set():
+            link.cut()
+            done.wait(1.2)
+            link.restore()
+            done.wait(0.15)
+
+    try:
+        url = f"redis://{user}:flapping@127.0.0.1:{link.port}/0"
+        live, result = running_on(workers, "flapping", 14, {"CELERY_ORPHANS_REDIS_URL": url}, {})
+        redis_client.acl_setuser(user, enabled=True, commands=["-evalsha", "-eval"])  # its renewals refused
+        threading.Thread(target=flap, daemon=True).start()
+        # Until the stale execution stops: given up by the worker, or (before) its lease's margin.
+        found = quiet(result.id, seconds=3, timeout=30, execution=overlap(result.id).executions[0])
+        done.set()
+        if starts(result.id) < 2:  # given up, its lease dropped: Beat's next sweep recovers the task
+            wait_for(
+                lambda: sweep_now() is not None and starts(result.id) >= 2, 30, "the recovered execution"
+            )
+        found = quiet(result.id, seconds=3, timeout=60)
+    finally:
+        done.set()
+        link.close()
+        redis_client.acl_deluser(user)
+
+    report(
+        "presence connection ending again and again while renewals fail",
+        faulted=link.faulted,
+        executions=len(found.executions),
+        stale_effects=found.count,
+        overlap_seconds=found.window,
+    )
+    assert "presence connection was lost" in live.log()
+    assert len(found.executions) == 2 and not found.stale, str(found)

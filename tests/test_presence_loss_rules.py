@@ -142,3 +142,36 @@ def test_a_pool_process_stopped_with_its_main_process_does_not_count_their_commo
     assert not check.closed()  # thawed together: the main process gets its time to speak
     check._resumed -= 2 * forfeit.MAIN_SILENT_SECONDS  # and did not, a second after the thaw
     assert check.closed()
+
+
+def test_a_connection_made_again_holds_the_forfeit_off_but_only_a_renewal_makes_its_loss_good(lease_ms: int):
+    # A sweep that marked the boot missing while its connection was lost keeps the mark until a renewal
+    # clears it, and may judge by it the moment the connection ends again: that loss counts from the first.
+    forfeit.hold_until(3, clock.now() + 60)
+    loss = Loss("w@test", lambda: None)
+    loss.lost(lease_ms)
+    first = forfeit.presence_until()
+    loss.kept()
+    assert not loss.armed and forfeit.presence_until() == 0.0 and forfeit.holds(3)
+
+    sent = clock.now()  # a renewal sent between the two losses: its script may have seen the first alone
+    loss.lost(lease_ms)
+    assert loss.armed and forfeit.presence_until() == first
+    loss.renewed(sent)
+    assert loss.armed and forfeit.presence_until() == first
+
+    loss.renewed(clock.now())
+    loss.kept()
+    loss.lost(lease_ms)
+    assert forfeit.presence_until() > first  # made good: the next loss is a loss of its own
+
+
+def test_a_connection_closed_on_purpose_leaves_no_loss_behind(lease_ms: int):
+    loss = Loss("w@test", lambda: None)
+    loss.lost(lease_ms)
+    first = forfeit.presence_until()
+    loss.closed()
+    assert not loss.armed and forfeit.presence_until() == 0.0
+
+    loss.lost(lease_ms)
+    assert forfeit.presence_until() > first

@@ -111,7 +111,7 @@ class Presence:
 
     def stop(self) -> None:
         self._stop.set()
-        self.loss.kept()
+        self.loss.closed()
         self._close()
 
     # The renewal's side: one more script call in its round trip, and what its reply says.

@@ -75,18 +75,27 @@ def server_down(exc: BaseException) -> bool:
 
 
 class Loss:
-    """The end of one worker's presence connection, from the moment it ended by itself until it is made
-    again or a renewal sent since is answered. ``on_loss()``: the heartbeat renews at once."""
+    """The end of one worker's presence connection, from the moment it ended by itself until a renewal sent
+    since is answered; its executions stop holding unless the connection is made again first.
+    ``on_loss()``: the heartbeat renews at once.
+
+    A connection made again holds the forfeit off while it lasts, and no longer: a sweep that marked the
+    boot missing while it was lost keeps its mark until a renewal clears it, and judges the boot by it the
+    moment the connection ends again. So a loss that follows before a renewal is answered is counted from
+    the first one's instant, not its own: a connection that keeps ending while renewals fail forfeits the
+    executions as a single lost one would."""
 
     def __init__(self, node: str, on_loss: Callable[[], None]) -> None:
         self.node = node
         self._on_loss = on_loss
-        self._lost_at: float | None = None  # clock.now(), while a loss is not made good
+        self._lost_at: float | None = None  # clock.now() of the last loss, while none is made good
+        self._since = 0.0  # clock.now() of the first loss no renewal has made good
+        self._armed = False  # lost and not made again since: the forfeit is armed
         self._lock = threading.Lock()  # the presence thread arms, the heartbeat's may disarm
 
     @property
     def armed(self) -> bool:
-        return self._lost_at is not None
+        return self._armed
 
     def claim(self, fileno: int, stoppable: bool, self_watching: bool) -> int:
         """A subscription was made on socket ``fileno``: the ``early_ms`` its renewals record. The whole
@@ -106,14 +115,16 @@ class Loss:
             return  # judged no sooner than its executions are forfeit by the lease: nothing to do
         with self._lock:
             self._lost_at = now = clock.now()
-            forfeit.presence_lost(now + forfeit_seconds())
+            self._since = self._since or now
+            self._armed = True
+            forfeit.presence_lost(self._since + forfeit_seconds())
         logger.info("the presence connection of %s ended; it connects again and renews at once", self.node)
         self._on_loss()
 
     def refused(self) -> None:
         """Redis refused the connection made again, or is loading its data: the forfeit waits from now."""
         with self._lock:
-            if self._lost_at is not None and forfeit.presence_until() > 0.0:  # armed, not given up yet
+            if self._armed and forfeit.presence_until() > 0.0:  # not given up yet
                 forfeit.presence_lost(clock.now() + forfeit_seconds())
 
     def renewed(self, sent_at: float) -> None:
@@ -121,15 +132,23 @@ class Loss:
         boot's presence afresh or withdrew it (``scripts.PRESENCE``), so no sweep judges the boot by the
         presence it lost."""
         with self._lock:
-            if self._lost_at is not None and sent_at > self._lost_at:
-                self._clear()
+            if self._lost_at is not None and sent_at > self._lost_at:  # after the last loss: after every one
+                self._lost_at, self._since = None, 0.0
+                self._disarm()
 
     def kept(self) -> None:
-        """The connection was made again, or is closed on purpose: nothing to forfeit."""
+        """The connection was made again: nothing to forfeit while it lasts; the loss is made good only by
+        a renewal (``renewed``)."""
         with self._lock:
-            self._clear()
+            self._disarm()
 
-    def _clear(self) -> None:
-        if self._lost_at is not None:
-            self._lost_at = None
+    def closed(self) -> None:
+        """The connection is closed on purpose: nothing to forfeit."""
+        with self._lock:
+            self._lost_at, self._since = None, 0.0
+            self._disarm()
+
+    def _disarm(self) -> None:
+        if self._armed:
+            self._armed = False
             forfeit.presence_kept()
