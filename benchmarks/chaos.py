@@ -24,7 +24,8 @@ At the end it prints:
     python benchmarks/chaos.py --tasks 1000 --kill-every 5
     python benchmarks/chaos.py --tasks 1000 --kill-every 5 --broker amqp
 
-Services: PostgreSQL (database ``chaos_orphans``, created and migrated if missing), a Redis server of its
+Services: PostgreSQL (database ``chaos_orphans_<broker>``, created and migrated if missing: a run on
+each broker may run side by side, and the sweeps of one never see the other's rows), a Redis server of its
 own, and for ``--broker amqp`` a RabbitMQ vhost of its own (``celery-orphans-chaos``, made and deleted by
 the run). Override with ``CHAOS_DATABASE_URL``, ``CHAOS_REDIS_URL`` (a Redis database the run empties) and
 ``CHAOS_AMQP_URL``. Each run consumes a queue and uses node names of its own (``chaos-<run id>``,
@@ -786,7 +787,9 @@ def main() -> int:
     args = parser.parse_args()
 
     # Variables of its own, so a DATABASE_URL or REDIS_URL meant for the test suite is never used here.
-    database_url = os.environ.get("CHAOS_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/chaos_orphans")
+    database_url = os.environ.get(
+        "CHAOS_DATABASE_URL", f"postgres://postgres@127.0.0.1:5432/chaos_orphans_{args.broker}"
+    )
     from tests.services import Vhost, ensure_database, own_redis
 
     given_amqp = os.environ.get("CHAOS_AMQP_URL")
