@@ -79,13 +79,12 @@ def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_be
     assert len(found.executions) == 2 and not found.stale, str(found)
 
 
-# Redis down for 4 s: more than the fence, less than the lease. Connections refused, then a server that
-# is new (its run id differs), which believes none of the presence recorded before.
-def test_a_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_redis: Any) -> None:
+# Redis restarted within the 1.5 s: the connection is made again to a new server in time.
+def test_a_short_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_redis: Any) -> None:
     shared = ledger_env(ledger_redis)
     _, result = running_on(workers, "restart", 12, {}, shared)
     ledger_redis.stop()
-    time.sleep(4)
+    time.sleep(0.5)
     ledger_redis.start()
 
     assert result.get(timeout=60) is not None
@@ -93,6 +92,46 @@ def test_a_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_re
     assert "gives up its boot" not in logs
     assert not OrphanEvent.objects.filter(task_id=result.id).exists()
     assert (starts(result.id), finishes(result.id)) == (1, 1)
+
+
+# Redis down 4 s, longer than the 1.5 s: refused connections say nothing of who else reaches the server
+# (next test), so the worker gives its execution up, and the task runs again once.
+def test_a_longer_restart_of_the_ledger_runs_the_task_again_once(workers: Any, ledger_redis: Any) -> None:
+    shared = ledger_env(ledger_redis)
+    live, result = running_on(workers, "long-restart", 12, {}, shared)
+    ledger_redis.stop()
+    time.sleep(4)
+    ledger_redis.start()
+    wait_for(lambda: sweep_now() is not None and starts(result.id) >= 2, 40, "the recovered execution")
+    found = quiet(result.id, seconds=3, timeout=60)
+
+    assert "presence connection was lost" in live.log()
+    assert result.get(timeout=60) is not None
+    assert finishes(result.id) == 1
+    assert not found.stale, str(found)
+
+
+# Its way to a live ledger refuses every connection (a local proxy or sidecar restarting, a firewall that
+# rejects), while other workers reach Redis: before, the worker took the refusals for a server down and
+# held its give-up off; it was recovered 4.4 s after, while its stale execution acted 2.4 to 2.6 s more.
+def test_a_worker_whose_way_to_a_live_ledger_refuses_stops_its_task_before_it_is_judged(
+    workers: Any, redis_client: Any
+) -> None:
+    link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
+    live, result = running_on(workers, "refused", 30, {"CELERY_ORPHANS_REDIS_URL": link.url()}, {})
+    link.close()  # every connection reset, and nothing listens there any more: each new one refused
+    closed = time.time()
+    wait_for(lambda: sweep_now() is not None and starts(result.id) >= 2, 40, "the recovered execution")
+    found = quiet(result.id, seconds=3, timeout=60)
+
+    report(
+        "the worker's way to a live ledger refuses",
+        recovered_after=found.started[found.executions[1]] - closed,
+        stale_effects=found.count,
+        overlap_seconds=found.window,
+    )
+    assert "gives up its boot" in live.log()
+    assert len(found.executions) == 2 and not found.stale, str(found)
 
 
 # Its presence connection keeps ending and is made again each time within the forfeit's 1.5 s, while its

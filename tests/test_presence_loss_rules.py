@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from celery_orphans.worker import clock, forfeit, sockets
-from celery_orphans.worker.presence_loss import Loss, forfeit_seconds, server_down
+from celery_orphans.worker.presence_loss import Loss, forfeit_seconds, server_loading
 
 pytestmark = pytest.mark.usefixtures("shared_validity")
 
@@ -80,25 +80,26 @@ def test_a_subscription_that_claims_no_lease_time_forfeits_nothing_when_lost(lea
     assert not loss.armed and forfeit.presence_until() == 0.0
 
 
-def test_a_refused_connection_holds_the_forfeit_off_while_armed(lease_ms: int):
+def test_a_server_loading_its_data_holds_the_forfeit_off_while_armed(lease_ms: int):
     loss = Loss("w@test", lambda: None)
-    loss.refused()
+    loss.loading()
     assert forfeit.presence_until() == 0.0  # nothing lost: nothing to hold off
 
     loss.lost(lease_ms)
     forfeit.presence_lost(clock.now() + 0.01)  # about to run out
-    loss.refused()
+    loss.loading()
     assert forfeit.presence_until() - clock.now() > forfeit_seconds() - 0.1
 
 
-def test_only_a_refusal_or_a_loading_server_says_no_server_could_judge():
+def test_only_a_server_loading_its_data_says_no_sweep_could_judge():
     import redis
 
+    assert server_loading(redis.BusyLoadingError("Redis is loading the dataset in memory"))
+    # A proxy, a sidecar or a firewall on the worker's way refuses while the server is up for others.
     refused = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6399. Connection refused.")
-    assert server_down(refused)
-    assert server_down(redis.BusyLoadingError("Redis is loading the dataset in memory"))
-    assert not server_down(redis.TimeoutError("Timeout connecting to server"))
-    assert not server_down(redis.ConnectionError("Connection closed by server."))
+    assert not server_loading(refused)
+    assert not server_loading(redis.TimeoutError("Timeout connecting to server"))
+    assert not server_loading(redis.ConnectionError("Connection closed by server."))
 
 
 def test_the_kernel_tells_a_socket_closed_by_its_peer(connected: tuple[socket.socket, socket.socket]):

@@ -49,7 +49,7 @@ from celery_orphans import leases, logs, scripts
 from celery_orphans.conf import settings
 from celery_orphans.store import Keys, client
 from celery_orphans.worker import forfeit, validity
-from celery_orphans.worker.presence_loss import Loss, early_seconds, server_down, wait_seconds
+from celery_orphans.worker.presence_loss import Loss, early_seconds, server_loading, wait_seconds
 
 logger = logs.get(__name__)
 
@@ -170,8 +170,8 @@ class Presence:
             except Exception as exc:  # whatever ended it (a reset, a close from the renewal's side)
                 if not self._stop.is_set():
                     logger.debug("presence connection of %s: %r", self.node, exc)
-                if not self._subscribed.is_set() and server_down(exc):
-                    self.loss.refused()
+                if not self._subscribed.is_set() and server_loading(exc):
+                    self.loss.loading()
             lost = self._subscribed.is_set()
             self._subscribed.clear()
             if lost and not self._again.is_set() and not self._stop.is_set():

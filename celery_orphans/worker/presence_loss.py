@@ -14,9 +14,11 @@ frozen or stalled, or cut off from Redis) must have stopped its executions by th
   judge it by), so it claims no lease time at all (``early_seconds`` the whole lease). Its main process
   sees the end and arms ``forfeit.presence_lost``, which every process reads; a frozen or stalled main
   process cannot, and its pool processes read the socket's state from the kernel (``forfeit.PresenceCheck``);
-- a server that refuses the connection, or is loading its data, is a server no sweep uses meanwhile and
-  one that comes back new (another run id), which believes no presence recorded before: while it does,
-  the forfeit waits (``Loss.refused``), so a restart of the ledger's Redis gives nothing up.
+- a server loading its data is one no sweep uses meanwhile and one just started (another run id), which
+  believes no presence recorded before: while it loads, the forfeit waits (``Loss.loading``). A refused
+  connection does not hold it off: a proxy or a firewall on the worker's way refuses while the server
+  is up for everyone else. So a restart of the ledger's Redis gives nothing up if it is back within the
+  1.5 s; a longer one gives the running executions up, and they run again once.
 
 What is left: Redis's end of the connection closed while the worker's end hears nothing (a middlebox that
 resets one end alone, a lost reset) at the moment the worker cannot renew for its wait. The worker then
@@ -65,13 +67,12 @@ def early_seconds(stoppable: bool = True) -> float:
     return float(settings.HEARTBEAT_SECONDS) if stoppable else 0.0
 
 
-def server_down(exc: BaseException) -> bool:
-    """Whether ``exc`` says no Redis server listens there (the connection refused), or one is loading its
-    data (a restart): none that could judge by a presence recorded before."""
-    if isinstance(exc, redis.BusyLoadingError):
-        return True
-    cause = exc.__cause__ or exc.__context__
-    return isinstance(cause, ConnectionRefusedError) or "refused" in str(exc).lower()
+def server_loading(exc: BaseException) -> bool:
+    """Whether ``exc`` says the Redis server is loading its data: a server just started, which no sweep
+    can use meanwhile and which believes no presence recorded before (its run id is new). A refused
+    connection says nothing of the kind: a proxy, a sidecar or a firewall on the worker's way refuses
+    too while the server is up for every other worker."""
+    return isinstance(exc, redis.BusyLoadingError)
 
 
 class Loss:
@@ -121,8 +122,8 @@ class Loss:
         logger.info("the presence connection of %s ended; it connects again and renews at once", self.node)
         self._on_loss()
 
-    def refused(self) -> None:
-        """Redis refused the connection made again, or is loading its data: the forfeit waits from now."""
+    def loading(self) -> None:
+        """The server the connection was made again to is loading its data: the forfeit waits from now."""
         with self._lock:
             if self._armed and forfeit.presence_until() > 0.0:  # not given up yet
                 forfeit.presence_lost(clock.now() + forfeit_seconds())
