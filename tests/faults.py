@@ -24,9 +24,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from tests.helpers import ROOT, wait_for
-from tests.workers import Worker, process_tree
+from tests.helpers import ROOT, started_on, wait_for
+from tests.workers import OWN_SWEEPS_ON, Worker, process_tree
 
 # --- a worker's clocks ---------------------------------------------------------------------------
 
@@ -265,3 +266,32 @@ def report_no_overlap(fault: str, task_id: str, found: Overlap, **measured: floa
     ``assert_no_overlap``."""
     report(fault, **measured, stale_effects=found.count, overlap_seconds=found.window)
     assert_no_overlap(task_id)
+
+
+# Renewals 2 s apart and a 10 s lease, as by default.
+DEFAULT_TIMINGS = {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "2", "CELERY_ORPHANS_LEASE_SECONDS": "10"}
+
+
+def tick_beside_a_watcher(
+    workers: Any,
+    name: str,
+    seconds: float,
+    *,
+    pool: str = "prefork",
+    env: dict[str, str] | None = None,
+    shared: dict[str, str] | None = None,
+) -> tuple[Worker, Any]:
+    """A ``demoapp.tick`` running on a live worker of its own queue (``env`` its own settings), with a
+    watcher up that takes the queue once it is running; both with presence on and the default timings
+    (and ``shared``), each one's presence recorded by two of its renewals."""
+    from celery import current_app
+    from demoapp.tasks import tick
+
+    workers.own_sweeps = {**OWN_SWEEPS_ON, **DEFAULT_TIMINGS, **(shared or {})}
+    live = workers.start(f"live-{name}@test", queues=(name,), pool=pool, env=env)
+    workers.start(f"watcher-{name}@test")
+    result = tick.apply_async((seconds,), {"every": 0.25}, queue=name)
+    started_on(result.id, live.name)
+    current_app.control.add_consumer(name, destination=[f"watcher-{name}@test"], reply=True, timeout=5)
+    time.sleep(4)
+    return live, result

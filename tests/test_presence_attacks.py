@@ -9,31 +9,13 @@ import time
 from typing import Any
 
 import pytest
-from celery import current_app
 
 from celery_orphans.models import OrphanEvent
 from celery_orphans.store import client
 from celery_orphans.worker.presence import CLIENT_NAME
-from tests.faults import effects, main_frozen, quiet, report
-from tests.helpers import started_on
-from tests.workers import OWN_SWEEPS_ON
+from tests.faults import effects, main_frozen, quiet, report, tick_beside_a_watcher
 
 pytestmark = pytest.mark.worker
-
-DEFAULTS = {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "2", "CELERY_ORPHANS_LEASE_SECONDS": "10"}
-
-
-def live_and_watcher(workers: Any, name: str, seconds: float, pool: str) -> tuple[Any, Any]:
-    from demoapp.tasks import tick
-
-    workers.own_sweeps = {**OWN_SWEEPS_ON, **DEFAULTS}  # presence on, as by default
-    live = workers.start(f"live-{name}@test", queues=(name,), pool=pool)
-    workers.start(f"watcher-{name}@test")
-    result = tick.apply_async((seconds,), {"every": 0.25}, queue=name)
-    started_on(result.id, live.name)
-    current_app.control.add_consumer(name, destination=[f"watcher-{name}@test"], reply=True, timeout=5)
-    time.sleep(4)  # two renewals of each: whatever presence each records is recorded
-    return live, result
 
 
 def presence_clients_of(pid: int) -> list[str]:
@@ -57,7 +39,7 @@ def presence_clients_of(pid: int) -> list[str]:
 def test_a_live_worker_stalled_less_than_its_lease_while_redis_drops_its_presence_runs_its_task_once(
     workers: Any, stall: float, pool: str
 ) -> None:
-    live, result = live_and_watcher(workers, f"stalled-{pool}-{stall}", 20, pool)
+    live, result = tick_beside_a_watcher(workers, f"stalled-{pool}-{stall}", 20, pool=pool)
     held = presence_clients_of(live.pid)
     with main_frozen(live) as stopped:
         for client_id in held:

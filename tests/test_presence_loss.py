@@ -11,32 +11,14 @@ import time
 from typing import Any
 
 import pytest
-from celery import current_app
 
 from celery_orphans.models import OrphanEvent
 from celery_orphans.worker.presence import CLIENT_NAME
-from tests.faults import overlap, quiet, report
-from tests.helpers import finishes, ledger_env, started_on, starts, sweep_now, wait_for
+from tests.faults import overlap, quiet, report, tick_beside_a_watcher
+from tests.helpers import finishes, ledger_env, starts, sweep_now, wait_for
 from tests.services import TcpProxy
-from tests.workers import OWN_SWEEPS_ON
 
 pytestmark = pytest.mark.worker
-
-DEFAULTS = {"CELERY_ORPHANS_HEARTBEAT_SECONDS": "2", "CELERY_ORPHANS_LEASE_SECONDS": "10"}
-
-
-def running_on(workers: Any, name: str, seconds: float, env: dict[str, str], shared: dict[str, str]) -> Any:
-    """A tick task running on a live worker of its own queue, with a watcher up that takes the queue."""
-    from demoapp.tasks import tick
-
-    workers.own_sweeps = {**OWN_SWEEPS_ON, **DEFAULTS, **shared}  # presence on, as by default
-    live = workers.start(f"live-{name}@test", queues=(name,), env=env)
-    workers.start(f"watcher-{name}@test")
-    result = tick.apply_async((seconds,), {"every": 0.25}, queue=name)
-    started_on(result.id, live.name)
-    current_app.control.add_consumer(name, destination=[f"watcher-{name}@test"], reply=True, timeout=5)
-    time.sleep(4)  # two renewals of each: the presence of each is recorded
-    return live, result
 
 
 # Before, the boot was judged by its lost presence only a heartbeat before its lease's end, 7.4 s after
@@ -47,7 +29,8 @@ def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_be
 ) -> None:
     link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
     try:
-        live, result = running_on(workers, "reset-then-cut", 30, {"CELERY_ORPHANS_REDIS_URL": link.url()}, {})
+        env = {"CELERY_ORPHANS_REDIS_URL": link.url()}
+        live, result = tick_beside_a_watcher(workers, "reset-then-cut", 30, env=env)
         # A middlebox resets every connection, then drops everything: the worker hears the reset, and can
         # neither connect again nor renew.
         link.cut()
@@ -82,7 +65,7 @@ def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_be
 # Redis restarted within the 1.5 s: the connection is made again to a new server in time.
 def test_a_short_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_redis: Any) -> None:
     shared = ledger_env(ledger_redis)
-    _, result = running_on(workers, "restart", 12, {}, shared)
+    _, result = tick_beside_a_watcher(workers, "restart", 12, shared=shared)
     ledger_redis.stop()
     time.sleep(0.5)
     ledger_redis.start()
@@ -98,7 +81,7 @@ def test_a_short_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, led
 # (next test), so the worker gives its execution up, and the task runs again once.
 def test_a_longer_restart_of_the_ledger_runs_the_task_again_once(workers: Any, ledger_redis: Any) -> None:
     shared = ledger_env(ledger_redis)
-    live, result = running_on(workers, "long-restart", 12, {}, shared)
+    live, result = tick_beside_a_watcher(workers, "long-restart", 12, shared=shared)
     ledger_redis.stop()
     time.sleep(4)
     ledger_redis.start()
@@ -118,7 +101,7 @@ def test_a_worker_whose_way_to_a_live_ledger_refuses_stops_its_task_before_it_is
     workers: Any, redis_client: Any
 ) -> None:
     link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
-    live, result = running_on(workers, "refused", 30, {"CELERY_ORPHANS_REDIS_URL": link.url()}, {})
+    live, result = tick_beside_a_watcher(workers, "refused", 30, env={"CELERY_ORPHANS_REDIS_URL": link.url()})
     link.close()  # every connection reset, and nothing listens there any more: each new one refused
     closed = time.time()
     wait_for(lambda: sweep_now() is not None and starts(result.id) >= 2, 40, "the recovered execution")
@@ -158,7 +141,7 @@ def test_a_live_worker_whose_presence_keeps_ending_while_its_renewals_fail_stops
 
     try:
         url = f"redis://{user}:flapping@127.0.0.1:{link.port}/0"
-        live, result = running_on(workers, "flapping", 14, {"CELERY_ORPHANS_REDIS_URL": url}, {})
+        live, result = tick_beside_a_watcher(workers, "flapping", 14, env={"CELERY_ORPHANS_REDIS_URL": url})
         redis_client.acl_setuser(user, enabled=True, commands=["-evalsha", "-eval"])  # its renewals refused
         threading.Thread(target=flap, daemon=True).start()
         # Until the stale execution stops: given up by the worker, or (before) its lease's margin.
