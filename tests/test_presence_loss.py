@@ -1,8 +1,8 @@
-"""The presence fence with real workers: a live prefork worker whose presence connection ended stops its
-executions before another worker may judge it gone by that loss, unless it makes the connection again or
-renews; and a restart of the ledger's Redis, which ends every presence connection at once, gives nothing
-up. Renewals 2 s apart and a 10 s lease, the defaults: the fence fires 1.5 s after the loss, another
-worker judges no sooner than 2.5 s after it saw the loss."""
+"""A presence connection's loss giving a prefork worker's executions up (``PRESENCE_LOSS_FORFEITS``), with
+real workers: a live worker whose presence connection ended stops its executions before another worker
+may judge it gone by that loss, unless it makes the connection again or renews; a restart of the ledger's
+Redis back within the give-up's 1.5 s gives nothing up, a longer one runs the task again once. Renewals
+2 s apart and a 10 s lease, the defaults: another worker judges no sooner than 2.5 s after it saw the loss."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ from tests.services import TcpProxy
 
 pytestmark = pytest.mark.worker
 
+# The give-up this file is about is asked for; the watcher has it too, which changes nothing for it.
+FORFEITS = {"CELERY_ORPHANS_PRESENCE_LOSS_FORFEITS": "true"}
+
 
 # Before, the boot was judged by its lost presence only a heartbeat before its lease's end, 7.4 s after
 # its last renewal; now once another worker has seen the loss for its wait, and its executions are
@@ -30,7 +33,7 @@ def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_be
     link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
     try:
         env = {"CELERY_ORPHANS_REDIS_URL": link.url()}
-        live, result = tick_beside_a_watcher(workers, "reset-then-cut", 30, env=env)
+        live, result = tick_beside_a_watcher(workers, "reset-then-cut", 30, env=env, shared=FORFEITS)
         # A middlebox resets every connection, then drops everything: the worker hears the reset, and can
         # neither connect again nor renew.
         link.cut()
@@ -65,7 +68,7 @@ def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_be
 # Redis restarted within the 1.5 s: the connection is made again to a new server in time.
 def test_a_short_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, ledger_redis: Any) -> None:
     shared = ledger_env(ledger_redis)
-    _, result = tick_beside_a_watcher(workers, "restart", 12, shared=shared)
+    _, result = tick_beside_a_watcher(workers, "restart", 12, shared={**FORFEITS, **shared})
     ledger_redis.stop()
     time.sleep(0.5)
     ledger_redis.start()
@@ -81,7 +84,7 @@ def test_a_short_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, led
 # (next test), so the worker gives its execution up, and the task runs again once.
 def test_a_longer_restart_of_the_ledger_runs_the_task_again_once(workers: Any, ledger_redis: Any) -> None:
     shared = ledger_env(ledger_redis)
-    live, result = tick_beside_a_watcher(workers, "long-restart", 12, shared=shared)
+    live, result = tick_beside_a_watcher(workers, "long-restart", 12, shared={**FORFEITS, **shared})
     ledger_redis.stop()
     time.sleep(4)
     ledger_redis.start()
@@ -101,7 +104,8 @@ def test_a_worker_whose_way_to_a_live_ledger_refuses_stops_its_task_before_it_is
     workers: Any, redis_client: Any
 ) -> None:
     link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
-    live, result = tick_beside_a_watcher(workers, "refused", 30, env={"CELERY_ORPHANS_REDIS_URL": link.url()})
+    env = {"CELERY_ORPHANS_REDIS_URL": link.url()}
+    live, result = tick_beside_a_watcher(workers, "refused", 30, env=env, shared=FORFEITS)
     link.close()  # every connection reset, and nothing listens there any more: each new one refused
     closed = time.time()
     wait_for(lambda: sweep_now() is not None and starts(result.id) >= 2, 40, "the recovered execution")
@@ -141,7 +145,8 @@ def test_a_live_worker_whose_presence_keeps_ending_while_its_renewals_fail_stops
 
     try:
         url = f"redis://{user}:flapping@127.0.0.1:{link.port}/0"
-        live, result = tick_beside_a_watcher(workers, "flapping", 14, env={"CELERY_ORPHANS_REDIS_URL": url})
+        env = {"CELERY_ORPHANS_REDIS_URL": url}
+        live, result = tick_beside_a_watcher(workers, "flapping", 14, env=env, shared=FORFEITS)
         redis_client.acl_setuser(user, enabled=True, commands=["-evalsha", "-eval"])  # its renewals refused
         threading.Thread(target=flap, daemon=True).start()
         # Until the stale execution stops: given up by the worker, or (before) its lease's margin.

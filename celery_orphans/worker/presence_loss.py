@@ -8,7 +8,8 @@ frozen or stalled, or cut off from Redis) must have stopped its executions by th
 
 - by default that is a heartbeat before its lease's end, when its executions are forfeit by the lease
   (``conf.Settings.lease_margin``): presence then tells a death up to a heartbeat sooner than the lease;
-- a prefork worker whose connection's end is watched by its pool processes does better: its
+- with ``PRESENCE_LOSS_FORFEITS``, a prefork worker whose connection's end is watched by its pool
+  processes does better: its
   executions are forfeit ``forfeit_seconds`` after its connection ended by itself (its end closed or
   reset), unless it is made again or a renewal sent since is answered (either leaves nothing a sweep could
   judge it by), so it claims no lease time at all (``early_seconds`` the whole lease). Its main process
@@ -102,7 +103,12 @@ class Loss:
         """A subscription was made on socket ``fileno``: the ``early_ms`` its renewals record. The whole
         lease where its pool processes can watch that socket (a TCP one the kernel lists) and its loss
         forfeits its executions in time; else ``early_seconds``."""
-        watched = self_watching and forfeit_seconds() > 0 and sockets.watchable(fileno)
+        watched = (
+            settings.PRESENCE_LOSS_FORFEITS
+            and self_watching
+            and forfeit_seconds() > 0
+            and sockets.watchable(fileno)
+        )
         # The socket first, then the claim a renewal records: a pool process must watch the connection
         # that a sweep may judge the boot by.
         forfeit.presence_socket(sockets.inode(fileno) if watched else 0)
