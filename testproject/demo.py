@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,11 +26,13 @@ def say(message: str) -> None:
     print(f"[{time.monotonic() - T0:6.2f}s] {message}", flush=True)
 
 
-def configure() -> None:
+def configure() -> Path:
     """Services of the demo's own: a Redis server it starts (stopped when it exits) and a new SQLite
-    database in .demo/, unless DEMO_REDIS_URL (a Redis database the demo empties) or DEMO_DATABASE_URL
-    name others."""
+    database in a directory of this run's own under .demo/ (two demos at once never share a file),
+    unless DEMO_REDIS_URL (a Redis database the demo empties) or DEMO_DATABASE_URL name others.
+    Returns the run's directory, where the worker's log goes too."""
     STATE.mkdir(exist_ok=True)
+    run = Path(tempfile.mkdtemp(prefix="run-", dir=STATE))
     sys.path[:0] = [str(ROOT), str(PROJECT)]
     from tests.services import own_redis
 
@@ -37,12 +41,11 @@ def configure() -> None:
     if os.environ.get("DEMO_DATABASE_URL"):
         os.environ["DATABASE_URL"] = os.environ["DEMO_DATABASE_URL"]
     else:
-        db = STATE / "demo.sqlite3"
-        db.unlink(missing_ok=True)
-        os.environ["DATABASE_URL"] = f"sqlite:///{db}"
+        os.environ["DATABASE_URL"] = f"sqlite:///{run / 'demo.sqlite3'}"
     os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
     os.environ["CELERY_ORPHANS_ENABLED"] = "true"
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(PROJECT)])
+    return run
 
 
 def start_worker(log: Path) -> subprocess.Popen[bytes]:
@@ -78,7 +81,7 @@ def start_worker(log: Path) -> subprocess.Popen[bytes]:
 
 
 def main() -> None:
-    configure()
+    run = configure()
     import django
 
     django.setup()
@@ -103,7 +106,7 @@ def main() -> None:
             client().flushdb()  # given to the demo to empty
         say("migrated")
 
-        log = STATE / "worker.log"
+        log = run / "worker.log"
         log.write_text("celery-orphans-demo-start\n")
         worker = start_worker(log)
         say(f"worker {WORKER} is up (pid {worker.pid}), holding a lease in Redis")
@@ -159,13 +162,21 @@ def main() -> None:
 
         worker, steps_id, killed_after = kill_a_checkpointing_task(worker, log)
         show_it_resumed(steps_id, killed_after)
+        stop(worker)
+        worker = None
+        shutil.rmtree(run)  # kept, with the worker's log, when a step failed
     finally:
-        if worker is not None and worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
+        if worker is not None:
+            stop(worker)
+
+
+def stop(worker: subprocess.Popen[bytes]) -> None:
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
 
 
 # -- Last step: a long task resumes from its checkpoint ----------------------------------------------
