@@ -7,9 +7,9 @@ its own and uses a new SQLite database in .demo/ (see ``configure``).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
-import shutil
 import sys
 import tempfile
 import time
