@@ -168,15 +168,15 @@ class Settings:
         "its process dies on a live host, so that its tasks are recovered a heartbeat and a half after "
         "another worker's renewal sees it gone instead of once its lease lapses (worker/presence.py).",
     )
-    PRESENCE_LOSS_FORFEITS = Setting(
-        "PRESENCE_LOSS_FORFEITS",
+    PRESENCE_LOSS_PAUSES = Setting(
+        "PRESENCE_LOSS_PAUSES",
         boolean,
-        False,
-        "Let a prefork worker give its recoverable executions up 1.5 s after its presence connection "
-        "ended and was not made again nor renewed past, so that a worker dead where no live worker's "
-        "machine can see it is recovered a wait after its presence is seen gone (about 3 to 5 s) instead "
-        "of a heartbeat before its lease's end; a restart of the ledger's Redis longer than 1.5 s then "
-        "gives the running executions up, and each runs again once (worker/presence_loss.py).",
+        True,
+        "Let a prefork worker pause its recoverable executions 1.5 s after its presence connection ended "
+        "and was not made again, until a renewal answers that its lease holds (they go on) or its lease "
+        "is given up (they are killed, and run again once elsewhere), so that a worker dead where no "
+        "live worker's machine can see it is recovered a wait after its presence is seen gone (about 3 "
+        "to 5 s) instead of a heartbeat before its lease's end (worker/presence_loss.py).",
     )
     SHADOW_MODE = Setting(
         "SHADOW_MODE",

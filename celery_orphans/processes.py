@@ -187,6 +187,13 @@ def _machine() -> str | None:
     return _machine_of(os.getpid())  # a forked child asks again: it may have entered a new namespace
 
 
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is a process stopped by a signal (``SIGSTOP``) here; ``False`` where ``/proc`` cannot
+    say."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] == "T"
+
+
 def _stat(pid: int) -> tuple[str, int] | None:
     """The state letter and start time of ``pid``, or ``None`` if there is no such process."""
     try:

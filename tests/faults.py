@@ -16,6 +16,7 @@ what happened rather than by final states:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -213,6 +214,14 @@ def overlap(task_id: str) -> Overlap:
     order = sorted(started, key=started.__getitem__)
     stale = [e for e in found if any(started[x] <= e.at for x in order[order.index(e.execution) + 1 :])]
     return Overlap(order, started, stale)
+
+
+def longest_pause(task_id: str) -> float:
+    """The longest time, in seconds, between two side effects in a row of one execution of ``task_id``."""
+    by_execution: dict[str, list[float]] = {}
+    for e in effects(task_id):
+        by_execution.setdefault(e.execution, []).append(e.at)
+    return max((b - a for ats in by_execution.values() for a, b in itertools.pairwise(ats)), default=0.0)
 
 
 def assert_no_overlap(task_id: str, tolerance: float = 0.0) -> Overlap:

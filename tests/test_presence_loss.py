@@ -1,8 +1,10 @@
-"""A presence connection's loss giving a prefork worker's executions up (``PRESENCE_LOSS_FORFEITS``), with
-real workers: a live worker whose presence connection ended stops its executions before another worker
-may judge it gone by that loss, unless it makes the connection again or renews; a restart of the ledger's
-Redis back within the give-up's 1.5 s gives nothing up, a longer one runs the task again once. Renewals
-2 s apart and a 10 s lease, the defaults: another worker judges no sooner than 2.5 s after it saw the loss."""
+"""A presence connection's loss pausing a prefork worker's executions (``PRESENCE_LOSS_PAUSES``, on by
+default), with real workers: a live worker whose presence connection ended stops its executions before
+another worker may judge it gone by that loss, unless it makes the connection again first; they go on
+once a renewal answers that its lease holds (a restart of the ledger's Redis gives nothing up, however
+long within the lease's margin), and are killed once its lease is given up (judged, they run again once
+elsewhere). Renewals 2 s apart and a 10 s lease, the defaults: another worker judges no sooner than 2.5 s
+after it saw the loss."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ import pytest
 
 from celery_orphans.models import OrphanEvent
 from celery_orphans.worker.presence import CLIENT_NAME
-from tests.faults import overlap, quiet, report, tick_beside_a_watcher
+from tests.faults import longest_pause, overlap, quiet, report, tick_beside_a_watcher
 from tests.helpers import finishes, ledger_env, starts, sweep_now, wait_for
 from tests.services import TcpProxy
 
 pytestmark = pytest.mark.worker
 
-# The give-up this file is about is asked for; the watcher has it too, which changes nothing for it.
-FORFEITS = {"CELERY_ORPHANS_PRESENCE_LOSS_FORFEITS": "true"}
+# The default, said aloud: the watcher has it too, which changes nothing for it.
+FORFEITS = {"CELERY_ORPHANS_PRESENCE_LOSS_PAUSES": "true"}
+PAUSED = "pauses its execution: the presence connection of its worker was lost"
 
 
 # Before, the boot was judged by its lost presence only a heartbeat before its lease's end, 7.4 s after
@@ -60,7 +63,8 @@ def test_a_live_worker_whose_ledger_link_is_reset_then_cut_off_stops_its_task_be
         stale_effects=found.count,
         overlap_seconds=found.window,
     )
-    assert "gives up its boot" in live.log() and "presence connection was lost" in live.log()
+    assert PAUSED in live.log()
+    wait_for(lambda: "gives up its boot" in live.log(), 20, "the paused execution given up with its lease")
     assert event.evidence == "presence_lost"
     assert len(found.executions) == 2 and not found.stale, str(found)
 
@@ -81,20 +85,26 @@ def test_a_short_restart_of_the_ledger_gives_no_live_worker_up(workers: Any, led
 
 
 # Redis down 4 s, longer than the 1.5 s: refused connections say nothing of who else reaches the server
-# (next test), so the worker gives its execution up, and the task runs again once.
-def test_a_longer_restart_of_the_ledger_runs_the_task_again_once(workers: Any, ledger_redis: Any) -> None:
+# (next test), so the worker pauses its execution; the first renewal after the restart finds its lease
+# (the server keeps its data), and the execution goes on. Before, it was given up and ran again once.
+def test_a_longer_restart_of_the_ledger_pauses_the_task_and_gives_nothing_up(
+    workers: Any, ledger_redis: Any
+) -> None:
     shared = ledger_env(ledger_redis)
     live, result = tick_beside_a_watcher(workers, "long-restart", 12, shared={**FORFEITS, **shared})
     ledger_redis.stop()
     time.sleep(4)
     ledger_redis.start()
-    wait_for(lambda: sweep_now() is not None and starts(result.id) >= 2, 40, "the recovered execution")
-    found = quiet(result.id, seconds=3, timeout=60)
 
-    assert "presence connection was lost" in live.log()
     assert result.get(timeout=60) is not None
-    assert finishes(result.id) == 1
-    assert not found.stale, str(found)
+    paused = longest_pause(result.id)
+    logs = "".join(w.log() for w in workers)
+    report("ledger down 4 s", longest_pause=paused, executions=len(overlap(result.id).executions))
+    assert PAUSED in live.log() and "continues the paused pool process" in live.log()
+    assert "gives up its boot" not in logs
+    assert not OrphanEvent.objects.filter(task_id=result.id).exists()
+    assert (starts(result.id), finishes(result.id)) == (1, 1)
+    assert paused > 1.5  # it did pause: its side effects stopped while Redis was down
 
 
 # Its way to a live ledger refuses every connection (a local proxy or sidecar restarting, a firewall that
@@ -117,7 +127,8 @@ def test_a_worker_whose_way_to_a_live_ledger_refuses_stops_its_task_before_it_is
         stale_effects=found.count,
         overlap_seconds=found.window,
     )
-    assert "gives up its boot" in live.log()
+    assert PAUSED in live.log()
+    wait_for(lambda: "gives up its boot" in live.log(), 20, "the paused execution given up with its lease")
     assert len(found.executions) == 2 and not found.stale, str(found)
 
 
@@ -169,5 +180,5 @@ def test_a_live_worker_whose_presence_keeps_ending_while_its_renewals_fail_stops
         stale_effects=found.count,
         overlap_seconds=found.window,
     )
-    assert "presence connection was lost" in live.log()
+    assert PAUSED in live.log()
     assert len(found.executions) == 2 and not found.stale, str(found)

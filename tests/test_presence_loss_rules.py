@@ -176,3 +176,108 @@ def test_a_connection_closed_on_purpose_leaves_no_loss_behind(lease_ms: int):
 
     loss.lost(lease_ms)
     assert forfeit.presence_until() > first
+
+
+def test_an_execution_stopped_by_its_presence_loss_alone_pauses_while_its_main_process_is_alive():
+    forfeit.hold_until(3, clock.now() + 60)
+    forfeit.main_alive()
+    assert not forfeit.pauses(3)  # it holds: nothing to wait for
+
+    forfeit.presence_lost(clock.now() - 0.01)
+    assert not forfeit.holds(3) and forfeit.pauses(3)
+    assert not forfeit.pauses(2)  # a generation given up ends
+    forfeit._validity[4] = clock.now() - forfeit.MAIN_SILENT_SECONDS - 0.1
+    assert not forfeit.pauses(3)  # a silent main process could neither continue nor end it: it ends
+    forfeit.main_alive()
+    forfeit.hold_until(3, clock.now() - 0.01)
+    assert not forfeit.pauses(3)  # its lease's margin passed: it ends
+
+
+def test_once_the_executions_paused_only_a_renewal_continues_them(lease_ms: int):
+    # A sweep may have judged the boot while they were paused: a connection made again says nothing of
+    # that; a renewal answered says its lease holds.
+    forfeit.hold_until(3, clock.now() + 60)
+    loss = Loss("w@test", lambda: None)
+    loss.lost(lease_ms)
+    forfeit.presence_lost(clock.now() - 0.01)  # the pause began
+    loss.kept()
+    assert loss.armed and not forfeit.holds(3)
+
+    loss.renewed(clock.now())
+    assert not loss.armed and forfeit.holds(3)
+
+
+class Running:
+    """What the main process reads of an active request of generation 3 run by pool process ``pid``."""
+
+    def __init__(self, pid: int) -> None:
+        self._orphans_generation, self.worker_pid, self.name, self.id = 3, pid, "t", "i"
+
+
+@pytest.fixture
+def paused_process() -> Iterator[Any]:
+    """A real process stopped by SIGSTOP, as a pool process pauses itself, and a request of generation 3
+    that it runs, among the worker's active requests."""
+    import signal
+    import subprocess
+    import sys
+
+    from celery.worker import state
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    request = Running(child.pid)
+    try:
+        child.send_signal(signal.SIGSTOP)
+        wait_until_stopped(child.pid)
+        state.active_requests.add(request)  # weakly: the fixture holds it
+        forfeit.pausing(3)
+        yield child
+    finally:
+        state.active_requests.discard(request)
+        child.kill()
+        child.wait()
+
+
+def wait_until_stopped(pid: int) -> None:
+    import time
+
+    from celery_orphans import processes
+
+    deadline = time.monotonic() + 5
+    while not processes.stopped(pid):
+        assert time.monotonic() < deadline, "the process did not stop"
+        time.sleep(0.01)
+
+
+def test_the_main_process_continues_a_paused_pool_process_once_its_generation_holds_again(
+    paused_process: Any,
+) -> None:
+    from celery_orphans import processes
+
+    forfeit.hold_until(3, clock.now() + 60)
+    forfeit.presence_lost(clock.now() - 0.01)
+    forfeit.settle_paused()
+    assert processes.stopped(paused_process.pid)  # the loss is not made good: it waits
+
+    forfeit.presence_kept()  # a renewal sent after the loss was answered
+    forfeit.settle_paused()
+    assert paused_process.poll() is None and not processes.stopped(paused_process.pid)
+
+
+def test_the_main_process_kills_a_paused_pool_process_once_its_generation_is_given_up(
+    paused_process: Any,
+) -> None:
+    forfeit.hold_until(3, clock.now() + 60)
+    forfeit.presence_lost(clock.now() - 0.01)
+    forfeit.withdraw(4)  # its lease's margin passed, or a renewal found the lease gone
+    forfeit.hold_until(4, clock.now() + 60)
+    forfeit.settle_paused()
+
+    assert paused_process.wait(timeout=5) == -9
+    assert forfeit._validity[6] == 3.0  # its request is still active until the worker reaps it
+
+    from celery.worker import state
+
+    state.active_requests.clear()
+    forfeit.settle_paused()
+    assert forfeit._validity[6] == 0.0  # nothing of a paused generation is left to look at

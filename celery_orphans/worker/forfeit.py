@@ -28,6 +28,7 @@ process; a forked pool process inherits it, a spawned one is handed it when it s
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -40,7 +41,7 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.worker import state
 
-from celery_orphans import logs
+from celery_orphans import logs, processes
 from celery_orphans.conf import settings
 from celery_orphans.exceptions import ExecutionForfeit
 from celery_orphans.worker import clock, sockets, watchdog
@@ -57,10 +58,11 @@ GENERATION = "celery_orphans_generation"
 # [3]: the instant (clock.now()) at which they stop holding because the main process's presence connection
 # was lost and not made again (``presence.py``), 0 while there is none;
 # [4]: the main process's last sign of life (clock.now()), written by its deadline thread (``validity.py``);
-# [5]: the inode of the presence connection's socket while the main process holds it, 0 otherwise.
+# [5]: the inode of the presence connection's socket while the main process holds it, 0 otherwise;
+# [6]: the last generation a pool process paused an execution of (``pauses``), 0 if none has.
 # Created when the worker imports its tasks, before the pool forks, so every forked pool process shares
 # it; billiard's, so that it can be handed to a spawned one (its memory is a file billiard passes on).
-_validity: Any = RawArray(ctypes.c_double, 6)
+_validity: Any = RawArray(ctypes.c_double, 7)
 
 SETTLE_POLL_SECONDS = 0.01
 # A main process silent this long is looked past: its presence socket's state is read from the kernel.
@@ -102,6 +104,60 @@ def holds(generation: int) -> bool:
     valid_until, presence_until = _validity[0], _validity[3]
     now = clock.now()
     return bool(_validity[1] == generation and now < valid_until and not 0.0 < presence_until <= now)
+
+
+def pauses(generation: int) -> bool:
+    """Whether an execution of ``generation`` that does not hold only waits, paused (its process stopped,
+    ``watchdog.py``), for its main process to settle it: its generation holds by its lease, only its
+    presence connection's loss stops it (``presence_loss.py``), and the main process is alive to
+    continue it once a renewal answers that the lease holds, or to end it once the lease does not
+    (``settle_paused``, ``stop_executions``). A frozen or stalled main process can do neither: then the
+    execution ends at once."""
+    now = clock.now()
+    return bool(
+        _validity[1] == generation
+        and now < _validity[0]
+        and 0.0 < _validity[3] <= now
+        and now - _validity[4] < MAIN_SILENT_SECONDS
+    )
+
+
+def pausing(generation: int) -> None:
+    """A pool process is about to pause an execution of ``generation``: the main process looks for it."""
+    _validity[6] = generation
+
+
+def settle_paused() -> None:
+    """In the main process, at each slice of its deadline thread: continue each pool process paused under
+    the current generation once that holds again (a renewal sent after the presence loss was answered),
+    and kill each one paused under a generation given up since. A stopped process cannot have moved on
+    to another task, so the pid read from its request is still its own. Once no execution of a
+    generation that paused is left, nothing is looked at until the next pause."""
+    paused = int(_validity[6])
+    if not paused:
+        return
+    generation = int(_validity[1])
+    holding, left = holds(generation), False
+    for request in list(state.active_requests):
+        admitted, pid = getattr(request, "_orphans_generation", None), getattr(request, "worker_pid", None)
+        if admitted is None or admitted > paused:
+            continue
+        left = True
+        if not pid or pid == os.getpid() or (admitted == generation and not holding):
+            continue
+        if processes.stopped(pid):
+            signum = signal.SIGCONT if admitted == generation else signal.SIGKILL
+            logger.info(
+                "%s the paused pool process %s of %s[%s]",
+                "continues" if signum == signal.SIGCONT else "kills",
+                pid,
+                request.name,
+                request.id,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    if not left and paused != generation:
+        _validity[6] = 0.0
 
 
 def presence_lost(until: float) -> None:
@@ -165,10 +221,11 @@ class PresenceCheck:
 def settled(generation: int, timeout: float) -> bool:
     """``holds(generation)``; where the clock gives nothing up by itself (``hold_until(by_clock=False)``),
     a generation whose instant passed waits up to ``timeout`` for the heartbeat's answer: held again, or
-    given up."""
+    given up. So does one that ``pauses``, whose process its watchdog stops meanwhile."""
     deadline = clock.now() + timeout
     while not holds(generation):
-        if not _validity[2] or _validity[1] != generation or clock.now() >= deadline:
+        waits = pauses(generation) or (_validity[2] and _validity[1] == generation)
+        if not waits or clock.now() >= deadline:
             return False
         time.sleep(SETTLE_POLL_SECONDS)
     return True
@@ -208,7 +265,7 @@ def before_start(task: Task[Any, Any]) -> None:
     if not isinstance(generation, int):
         return
     if watchdog.watches():
-        watchdog.begin(generation, holds)
+        watchdog.begin(generation)
         return
     if is_forfeit(task.request):
         message = f"{task.name}[{task.request.id}] was forfeit before it started: it is recovered instead"
@@ -257,10 +314,11 @@ def stop_executions(pool: Any, generation: int) -> int:
     """Mark the executions of ``generation`` and older forfeit, and kill their green threads (gevent and
     eventlet: ``GreenletExit`` at the next point where the body yields). Returns how many were marked.
 
-    A prefork pool process is not killed from here: it kills itself (``watchdog.py``), so a pid read from
-    ``active_requests`` can never hit the process once it runs the next task. On the solo and threads
-    pools the execution runs in a thread of this process, which cannot be stopped from outside: the body
-    runs to its end, refused only what ``guard_task`` guards."""
+    A running prefork pool process is not killed from here: it kills itself (``watchdog.py``), so a pid
+    read from ``active_requests`` can never hit the process once it runs the next task. One paused
+    (``pauses``) is killed from here: stopped, it runs nothing else. On the solo and threads pools the
+    execution runs in a thread of this process, which cannot be stopped from outside: the body runs to
+    its end, refused only what ``guard_task`` guards."""
     stopped = 0
     for request in list(state.active_requests):
         admitted = getattr(request, "_orphans_generation", None)

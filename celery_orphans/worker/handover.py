@@ -79,7 +79,9 @@ def initialize(validity: Any, initializer: Any, *initargs: Any) -> None:
     forfeit.adopt(validity)
     if initializer is not None:
         initializer(*initargs)
-    watchdog.start(forfeit.holds, forfeit.PresenceCheck().closed)
+    watchdog.start(
+        watchdog.Rules(forfeit.holds, forfeit.pauses, forfeit.pausing, forfeit.PresenceCheck().closed)
+    )
 
 
 def unsupported(start_method: str, transport: str) -> str | None:

@@ -2,28 +2,34 @@
 
 Another worker's renewal that finds a boot's presence channel without a subscriber marks it missing; the
 boot is judged gone once it has not renewed for its wait since (``wait_seconds``), and no sooner than its
-executions are forfeit, ``early_seconds`` before its lease's end. A live worker renews within its wait,
+executions are stopped, ``early_seconds`` before its lease's end. A live worker renews within its wait,
 and its renewal clears the mark or withdraws its presence. One that cannot renew (its main process
 frozen or stalled, or cut off from Redis) must have stopped its executions by the time it may be judged:
 
-- by default that is a heartbeat before its lease's end, when its executions are forfeit by the lease
-  (``conf.Settings.lease_margin``): presence then tells a death up to a heartbeat sooner than the lease;
-- with ``PRESENCE_LOSS_FORFEITS``, a prefork worker whose connection's end is watched by its pool
-  processes does better: its
-  executions are forfeit ``forfeit_seconds`` after its connection ended by itself (its end closed or
-  reset), unless it is made again or a renewal sent since is answered (either leaves nothing a sweep could
-  judge it by), so it claims no lease time at all (``early_seconds`` the whole lease). Its main process
-  sees the end and arms ``forfeit.presence_lost``, which every process reads; a frozen or stalled main
-  process cannot, and its pool processes read the socket's state from the kernel (``forfeit.PresenceCheck``);
+- by default a prefork worker whose connection's end is watched by its pool processes stops them
+  ``forfeit_seconds`` after its connection ended by itself (its end closed or reset), unless it is made
+  again first, so it claims no lease time at all (``early_seconds`` the whole lease). Its main process
+  sees the end and arms ``forfeit.presence_lost``, which every process reads. Stopped means *paused*
+  while the main process is alive (``forfeit.pauses``): each pool process running a recoverable
+  execution stops itself (``SIGSTOP``), and the main process continues it once a renewal sent after the
+  loss is answered (the lease held: nothing judged the boot, and its presence is recorded afresh or
+  withdrawn), or kills it once its lease is given up (``forfeit.settle_paused``). So a restart of the
+  ledger's Redis, or a proxy that refuses the worker while the server is up for the others, costs a
+  pause, never a second run, and nothing is given up that need not be. A frozen or stalled main process
+  can neither see the end nor continue anything: its pool processes read the socket's state from the
+  kernel and end their executions (``forfeit.PresenceCheck``);
+- elsewhere (other pools, a socket the kernel does not list, a heartbeat under a second, or
+  ``PRESENCE_LOSS_PAUSES`` off) a heartbeat before its lease's end, when its executions are forfeit by
+  the lease (``conf.Settings.lease_margin``): presence then tells a death up to a heartbeat sooner than
+  the lease;
 - a server loading its data is one no sweep uses meanwhile and one just started (another run id), which
-  believes no presence recorded before: while it loads, the forfeit waits (``Loss.loading``). A refused
-  connection does not hold it off: a proxy or a firewall on the worker's way refuses while the server
-  is up for everyone else. So a restart of the ledger's Redis gives nothing up if it is back within the
-  1.5 s; a longer one gives the running executions up, and they run again once.
+  believes no presence recorded before: while it loads, the pause waits (``Loss.loading``).
 
 What is left: Redis's end of the connection closed while the worker's end hears nothing (a middlebox that
 resets one end alone, a lost reset) at the moment the worker cannot renew for its wait. The worker then
 runs on to its lease's margin while a sweep may judge it after its wait, as it could before presence.
+A paused execution holds what it held (a database transaction, a lock) until it is continued or killed:
+a recovered copy that needs the same lock waits for the kill, at the lease's margin.
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ class Loss:
         lease where its pool processes can watch that socket (a TCP one the kernel lists) and its loss
         forfeits its executions in time; else ``early_seconds``."""
         watched = (
-            settings.PRESENCE_LOSS_FORFEITS
+            settings.PRESENCE_LOSS_PAUSES
             and self_watching
             and forfeit_seconds() > 0
             and sockets.watchable(fileno)
@@ -117,7 +123,7 @@ class Loss:
     def lost(self, early_ms: int) -> None:
         """The connection ended by itself (its end closed or reset) after a subscription that claimed
         ``early_ms``: unless it is made again, or a renewal sent from now on is answered, the executions
-        are forfeit in ``forfeit_seconds``."""
+        stop in ``forfeit_seconds``."""
         if early_ms < int(settings.LEASE_SECONDS * 1000) or not forfeit_seconds():
             return  # judged no sooner than its executions are forfeit by the lease: nothing to do
         with self._lock:
@@ -144,10 +150,12 @@ class Loss:
                 self._disarm()
 
     def kept(self) -> None:
-        """The connection was made again: nothing to forfeit while it lasts; the loss is made good only by
-        a renewal (``renewed``)."""
+        """The connection was made again: before the executions stopped, nothing to stop while it lasts
+        (no sweep judges a subscribed boot); the loss is made good only by a renewal (``renewed``). Once
+        they stopped, a sweep may have judged the boot meanwhile: only a renewal continues them."""
         with self._lock:
-            self._disarm()
+            if forfeit.presence_until() > clock.now():
+                self._disarm()
 
     def closed(self) -> None:
         """The connection is closed on purpose: nothing to forfeit."""

@@ -133,10 +133,8 @@ class Validity:
         return True
 
     def expire(self) -> bool:
-        """Give the current generation up if its validity ran out; whether it did."""
-        if self._presence_expired():
-            why = "its presence connection was lost and neither made again nor renewed past in time"
-            return self.lapse(self.generation, why, if_expired=True)
+        """Give the current generation up if its validity ran out; whether it did. (A presence connection's
+        loss pauses its executions instead, ``forfeit.pauses``: the lease alone gives them up.)"""
         return self.lapse(self.generation, "its lease was not renewed in time", if_expired=True)
 
     def tick(self) -> bool:
@@ -149,11 +147,7 @@ class Validity:
         return False
 
     def _expired(self) -> bool:
-        return self.valid_until != 0.0 and (clock.now() >= self.valid_until or self._presence_expired())
-
-    def _presence_expired(self) -> bool:
-        until = forfeit.presence_until()
-        return self.stoppable and 0.0 < until <= clock.now()
+        return self.valid_until != 0.0 and clock.now() >= self.valid_until
 
     def start(self) -> None:
         """Watch the clock from a thread of this process, until ``stop``."""
@@ -169,6 +163,7 @@ class Validity:
                 return
             forfeit.main_alive()  # the pool processes look past a main process that stops saying this
             self.tick()
+            forfeit.settle_paused()
 
     def stop(self) -> None:
         self._stop.set()

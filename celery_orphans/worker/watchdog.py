@@ -6,6 +6,13 @@ each pool process watches the clock from a thread of its own: when the execution
 (``forfeit.holds``, read from memory shared with the main process: no I/O), the process kills itself. It kills
 itself, not a pid read elsewhere, so the kill can never hit the next task that process runs.
 
+An execution stopped only by the loss of its main process's presence connection (``presence_loss.py``)
+is paused, not ended, while its main process is alive: the process stops itself (``SIGSTOP``), and the
+main process continues it once a renewal answers that the boot's lease holds (a restart of the ledger's
+Redis, a connection dropped by the network: nothing was judged), or kills it once the lease does not
+(``forfeit.settle_paused``). A stopped process acts no more than a dead one, so a sweep may judge the boot
+meanwhile; and nothing is given up that need not be.
+
 Nor does it outlive the presence of a main process that cannot speak for itself. A boot whose presence
 connection Redis dropped may be judged gone a heartbeat and a half after another worker saw it
 (``presence.py``); a live main process makes the connection again, or gives its executions up, well
@@ -23,12 +30,16 @@ gone (``presence.py``) be acted on at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
 
+from celery_orphans import logs
 from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
+
+logger = logs.get(__name__)
 
 # The generation of the execution this process runs, while it runs; guarded by _lock, so that the kill
 # never lands between the end of one execution and the start of the next.
@@ -36,6 +47,21 @@ _running: int | None = None
 _lock = threading.Lock()
 _watcher: int | None = None  # the pid whose watchdog thread runs
 _parent: int | None = None  # the worker's main process, which made this pool process
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """What the watchdog asks of the shared validity (``forfeit.py``): whether an execution of a generation
+    ``holds``, whether one that does not ``pauses`` (and says it is ``pausing`` before it stops), and
+    whether a silent main process's presence connection was ``presence_closed`` by the kernel's word."""
+
+    holds: Callable[[int], bool]
+    pauses: Callable[[int], bool]
+    pausing: Callable[[int], None]
+    presence_closed: Callable[[], bool]
+
+
+_rules: Rules | None = None
 
 
 def _orphaned() -> bool:
@@ -67,15 +93,15 @@ def watches() -> bool:
     return _watcher == os.getpid()
 
 
-def begin(generation: int, holds: Callable[[int], bool]) -> None:
+def begin(generation: int) -> None:
     """Watch an execution of ``generation`` from before Celery stores its ``STARTED`` (``task_prerun``),
     in a pool process that watches; kill this process now if the execution is forfeit already (a job
-    handed to the pool before its worker was frozen, and picked up after its boot was given up)."""
+    handed to the pool before its worker was frozen, and picked up after its boot was given up), or
+    pause it if it waits for its presence loss to be settled."""
     global _running
     with _lock:
         _running = generation
-    if not holds(generation) or _orphaned():
-        os.kill(os.getpid(), signal.SIGKILL)
+        _check(generation, presence=False)
 
 
 def end() -> None:
@@ -85,26 +111,44 @@ def end() -> None:
         _running = None
 
 
-def start(holds: Callable[[int], bool], presence_closed: Callable[[], bool]) -> None:
-    """Watch from now on, in this prefork pool process (``handover.initialize``): ``holds(generation)``
-    says whether an execution of ``generation`` may go on (``forfeit.holds``), ``presence_closed()``
-    whether the kernel says a silent main process's presence connection was closed."""
-    global _watcher, _running, _lock, _parent
+def start(rules: Rules) -> None:
+    """Watch from now on, in this prefork pool process (``handover.initialize``), by ``rules``."""
+    global _watcher, _running, _lock, _parent, _rules
     if _watcher == os.getpid():
         return
     _running, _lock = None, threading.Lock()  # a fork may have caught the parent's held
+    _rules = rules
     _watcher = os.getpid()
     _parent = os.getppid()
-    watcher = threading.Thread(
-        target=_watch, args=(holds, presence_closed), name="celery-orphans-watchdog", daemon=True
-    )
-    watcher.start()
+    threading.Thread(target=_watch, name="celery-orphans-watchdog", daemon=True).start()
 
 
-def _watch(holds: Callable[[int], bool], presence_closed: Callable[[], bool]) -> None:
+def _watch() -> None:
     stop = threading.Event()  # never set: a sliced wait
     while not stop.wait(FORFEIT_LATENCY_SECONDS):
         with _lock:
-            if _running is not None and (not holds(_running) or _orphaned() or presence_closed()):
-                # The main process sees this process die, and acknowledges the task as forfeit.
-                os.kill(os.getpid(), signal.SIGKILL)
+            if _running is not None:
+                _check(_running, presence=True)
+
+
+def _check(generation: int, *, presence: bool) -> None:
+    """Under ``_lock``: end this process if its execution of ``generation`` may not go on, or stop it
+    (until its main process continues or kills it) if it pauses; ``presence``: and if the kernel says a
+    silent main process's presence connection was closed. Once continued, it looks again."""
+    assert _rules is not None
+    while True:
+        if _orphaned() or (presence and _rules.presence_closed()):
+            break
+        if _rules.holds(generation):
+            return
+        if not _rules.pauses(generation):
+            break
+        _rules.pausing(generation)
+        logger.warning(
+            "pool process %s pauses its execution: the presence connection of its worker was lost; it "
+            "goes on once a renewal answers that the lease holds, or is killed once the lease is given up",
+            os.getpid(),
+        )
+        os.kill(os.getpid(), signal.SIGSTOP)
+    # The main process sees this process die, and acknowledges the task as forfeit.
+    os.kill(os.getpid(), signal.SIGKILL)
