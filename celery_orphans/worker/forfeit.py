@@ -289,8 +289,7 @@ def guard_task(task: Task[Any, Any]) -> None:
     @functools.wraps(run)
     def guarded_run(*args: Any, **kwargs: Any) -> Any:
         try:
-            with watchdog.watching(getattr(task.request, GENERATION, None)):
-                result = run(*args, **kwargs)
+            result = run(*args, **kwargs)  # watched from task_prerun to task_postrun (``before_start``)
         except (ExecutionForfeit, Retry):
             raise  # a Retry comes from a retry() its own check let through: the retry is already sent
         except BaseException as exc:

@@ -29,12 +29,11 @@ gone (``presence.py``) be acted on at once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from celery_orphans import logs
 from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
@@ -67,25 +66,6 @@ _rules: Rules | None = None
 def _orphaned() -> bool:
     """Whether the main process that made this pool process is gone."""
     return _parent is not None and os.getppid() != _parent
-
-
-@contextlib.contextmanager
-def watching(generation: object) -> Iterator[None]:
-    """Run the body of an execution admitted under ``generation``: in a pool process that watches, it is
-    killed at the instant its generation stops holding."""
-    global _running
-    if not isinstance(generation, int) or _watcher != os.getpid():
-        yield
-        return
-    with _lock:
-        _running = generation
-    if _orphaned():  # its main process died before the execution began
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        yield
-    finally:
-        with _lock:
-            _running = None
 
 
 def watches() -> bool:
