@@ -91,6 +91,20 @@ def test_a_server_loading_its_data_holds_the_forfeit_off_while_armed(lease_ms: i
     assert forfeit.presence_until() - clock.now() > forfeit_seconds() - 0.1
 
 
+# Once the instant passed, the executions are paused and a sweep may have judged the boot before the server
+# restarted: its loading continues nothing (before, it moved the instant ahead, and the main process
+# continued an execution whose task ran elsewhere; test_presence_pause_attacks.py).
+def test_a_server_loading_its_data_does_not_continue_a_paused_execution(lease_ms: int):
+    forfeit.hold_until(3, clock.now() + 60)
+    loss = Loss("w@test", lambda: None)
+    loss.lost(lease_ms)
+    passed = clock.now() - 0.01
+    forfeit.presence_lost(passed)
+    loss.loading()
+
+    assert forfeit.presence_until() == passed and not forfeit.holds(3)
+
+
 def test_only_a_server_loading_its_data_says_no_sweep_could_judge():
     import redis
 

@@ -135,9 +135,12 @@ class Loss:
         self._on_loss()
 
     def loading(self) -> None:
-        """The server the connection was made again to is loading its data: the forfeit waits from now."""
+        """The server the connection was made again to is loading its data: the pause waits from now, if
+        it has not begun. Once its instant passed, the executions may be paused and a sweep may have
+        judged the boot before the server went down: a server loading says nothing of that, and only a
+        renewal continues them (``renewed``), as for ``kept``."""
         with self._lock:
-            if self._armed and forfeit.presence_until() > 0.0:  # not given up yet
+            if self._armed and forfeit.presence_until() > clock.now():  # not paused yet
                 forfeit.presence_lost(clock.now() + forfeit_seconds())
 
     def renewed(self, sent_at: float) -> None:
