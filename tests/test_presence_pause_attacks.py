@@ -18,7 +18,8 @@ import pytest
 
 from celery_orphans import processes
 from celery_orphans.models import OrphanEvent
-from tests.faults import effects, pool_processes, quiet, report, tick_beside_a_watcher
+from celery_orphans.worker.presence import CLIENT_NAME
+from tests.faults import effects, longest_pause, pool_processes, quiet, report, tick_beside_a_watcher
 from tests.helpers import finishes, ledger_env, starts, sweep_now, wait_for
 from tests.services import TcpProxy
 
@@ -109,6 +110,9 @@ def test_a_paused_pool_process_dies_with_its_main_process(workers: Any, redis_cl
     )
     assert (starts(result.id), finishes(result.id)) == (2, 1)
     assert not found.stale, str(found)
+    # One pause, said once (its line and Celery's copy of its stderr): its process stopped at the first
+    # SIGSTOP. Sent to the process, not the thread, the watchdog looped and logged 3 to 85 times in 4 ms.
+    assert live.log().count(PAUSED) <= 2, live.log().count(PAUSED)
 
 
 # 3. The main process frozen alone while its pool process is paused, thawed once its lease lapsed and the
@@ -235,3 +239,196 @@ def test_a_paused_execution_judged_meanwhile_is_not_continued_by_a_ledger_that_i
     )
     assert not continued
     assert len(found.executions) == 2 and not found.stale, str(found)
+
+
+# 6. The healthy case: short tasks on two prefork workers, the ledger's Redis restarted for 3 s in the
+# middle. Each task runs once and ends; nothing is given up.
+def test_a_ledger_restart_under_load_gives_nothing_up_and_runs_each_task_once(
+    workers: Any, ledger_redis: Any
+) -> None:
+    from demoapp.tasks import add
+    from django_celery_results.models import TaskResult
+
+    from tests.faults import DEFAULT_TIMINGS
+    from tests.workers import OWN_SWEEPS_ON
+
+    workers.own_sweeps = {**OWN_SWEEPS_ON, **DEFAULT_TIMINGS, **ledger_env(ledger_redis)}
+    for n in (1, 2):
+        workers.start(f"load-{n}@test", concurrency=2)
+    time.sleep(4)  # each one's presence recorded by two renewals
+    begun = time.time()
+    results = [add.apply_async((i, 1), {"seconds": 0.3}) for i in range(200)]
+    time.sleep(5)
+    ledger_redis.stop()
+    down = time.time()
+    time.sleep(3)
+    ledger_redis.start()
+    up = time.time()
+
+    def done() -> bool:
+        sweep_now()  # Beat's, every 5 s by default
+        return TaskResult.objects.filter(
+            task_id__in=[r.id for r in results], status="SUCCESS"
+        ).count() == len(results)
+
+    try:
+        wait_for(done, 120, "every task to succeed", interval=2)
+    finally:
+        ended = time.time()
+        counts = [(starts(r.id), finishes(r.id)) for r in results]
+        logs = "".join(w.log() for w in workers)
+        report(
+            "200 tasks on 2 workers, the ledger down 3 s",
+            down_after=down - begun,
+            up_for=ended - up,
+            tasks=len(results),
+            ran_twice=sum(1 for s, _ in counts if s > 1),
+            finished_twice=sum(1 for _, f in counts if f > 1),
+            never_finished=sum(1 for _, f in counts if f == 0),
+            pauses=logs.count("pauses its execution") // 2,
+            continued=logs.count("continues the paused pool process") // 2,
+            killed=logs.count("kills the paused pool process") // 2,
+            given_up=logs.count("gives up its boot") // 2,
+            not_success=TaskResult.objects.filter(task_id__in=[r.id for r in results])
+            .exclude(status="SUCCESS")
+            .count(),
+        )
+    assert all(c == (1, 1) for c in counts), counts
+    assert "gives up its boot" not in logs
+
+
+# 5. A paused execution holds its transaction's lock; the recovered copy, which needs it too, waits until
+# the paused process is killed (the lease's margin), not just until it was judged.
+def test_a_recovered_copy_waits_for_the_lock_a_paused_execution_holds(
+    workers: Any, redis_client: Any
+) -> None:
+    from celery import current_app
+    from demoapp.tasks import locked_tick, runs
+
+    from tests.faults import DEFAULT_TIMINGS
+    from tests.helpers import started_on
+    from tests.workers import OWN_SWEEPS_ON
+
+    link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]))
+    try:
+        workers.own_sweeps = {**OWN_SWEEPS_ON, **DEFAULT_TIMINGS}
+        live = workers.start("live-lock@test", queues=("lock",), env={"CELERY_ORPHANS_REDIS_URL": link.url()})
+        workers.start("watcher-lock@test")
+        result = locked_tick.apply_async((4242, 40), queue="lock")
+        started_on(result.id, live.name)
+        current_app.control.add_consumer("lock", destination=["watcher-lock@test"], reply=True, timeout=5)
+        time.sleep(4)
+        (pid,) = pool_processes(live)
+        link.cut()
+        cut = time.time()
+        time.sleep(0.2)
+        link.blackhole()
+        wait_for(lambda: processes.stopped(pid), 10, "the pause")
+        paused = time.time()
+        wait_for(lambda: starts(result.id) >= 2, 30, "the recovered execution")
+        wait_for(lambda: not alive(pid), 30, "the paused process killed")
+        killed = time.time()
+        wait_for(
+            lambda: sum(e.startswith("locked") for e in runs(result.id)) >= 2, 30, "the lock taken again"
+        )
+        found = quiet(result.id, seconds=2, timeout=60, stale=True)
+    finally:
+        link.close()
+    events = runs(result.id)
+    second_start = float([e for e in events if e.startswith("start")][1].rsplit(":", 1)[1])
+    second_locked = float([e for e in events if e.startswith("locked")][1].rsplit(":", 1)[1])
+    report(
+        "a paused execution holding a PostgreSQL lock",
+        paused_after=paused - cut,
+        recovered_started_after=second_start - cut,
+        paused_killed_after=killed - cut,
+        recovered_waited_for_lock=second_locked - second_start,
+        recovered_locked_after_kill=second_locked - killed,
+        stale_effects=found.count,
+    )
+    assert not found.stale, str(found)
+
+
+# 4b. Only the presence connection meets a fault (``only``: the renewals pass): reset (and each new one
+# closed), blackholed, or one way. Held 12 s, longer than the lease.
+@pytest.mark.parametrize("fault", ["cut", "blackhole", "up", "down"])
+def test_a_fault_on_the_presence_connection_alone_runs_the_task_once(
+    workers: Any, redis_client: Any, fault: str
+) -> None:
+    from tests.services import DOWN, UP
+
+    link = TcpProxy(int(redis_client.connection_pool.connection_kwargs["port"]), only=CLIENT_NAME.encode())
+    try:
+        env = {"CELERY_ORPHANS_REDIS_URL": link.url()}
+        live, result = tick_beside_a_watcher(workers, f"only-{fault}", 24, env=env)
+        {
+            "cut": link.cut,
+            "blackhole": link.blackhole,
+            "up": lambda: link.one_way(UP),
+            "down": lambda: link.one_way(DOWN),
+        }[fault]()
+        time.sleep(12)
+        link.restore()
+        assert result.get(timeout=60) is not None
+        found = quiet(result.id, seconds=2, timeout=60)
+    finally:
+        link.close()
+    log = live.log()
+    report(
+        "a fault on the presence connection alone",
+        kind=fault,
+        faulted=link.faulted,
+        paused=int(PAUSED in log),
+        continued=log.count("continues the paused pool process") // 2,
+        given_up=int("gives up its boot" in log),
+        longest_pause=longest_pause(result.id),
+        executions=len(found.executions),
+        finishes=finishes(result.id),
+        stale_effects=found.count,
+        events=OrphanEvent.objects.filter(task_id=result.id).count(),
+    )
+    assert len(found.executions) == 1 and finishes(result.id) == 1
+
+
+# 7b. A Celery hard time limit firing on a task paused by a restart of the ledger. The task overruns its
+# limit anyway: unpaused, it ends FAILURE (TimeLimitExceeded) and its entry goes.
+def test_a_hard_time_limit_on_a_paused_task_ends_it_as_without_the_pause(
+    workers: Any, ledger_redis: Any
+) -> None:
+    from demoapp.tasks import tick
+    from django_celery_results.models import TaskResult
+
+    from tests.faults import DEFAULT_TIMINGS
+    from tests.helpers import started_on
+    from tests.workers import OWN_SWEEPS_ON
+
+    workers.own_sweeps = {**OWN_SWEEPS_ON, **DEFAULT_TIMINGS, **ledger_env(ledger_redis)}
+    live = workers.start("live-limit@test", queues=("limit",))
+    time.sleep(4)
+    result = tick.apply_async((12,), {"every": 0.25}, queue="limit", time_limit=4)
+    started_on(result.id, live.name)
+    time.sleep(1)
+    ledger_redis.stop()
+    time.sleep(5)  # paused 1.5 s in, the limit fires 4 s in
+    ledger_redis.start()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        sweep_now()
+        row = TaskResult.objects.get(task_id=result.id)
+        if row.status not in ("STARTED", "PENDING"):
+            break
+        time.sleep(1)
+    time.sleep(3)
+    row = TaskResult.objects.get(task_id=result.id)
+    log = live.log()
+    report(
+        "a hard time limit firing on a paused task",
+        status=row.status,
+        paused=int(PAUSED in log),
+        limit_fired=int("TimeLimitExceeded" in log or "Hard time limit" in log),
+        starts=starts(result.id),
+        finishes=finishes(result.id),
+        result=str(row.result)[:60],
+        events=OrphanEvent.objects.filter(task_id=result.id).count(),
+    )
+    assert row.status == "FAILURE" and starts(result.id) == 1, (row.status, row.result)

@@ -129,6 +129,9 @@ def _check(generation: int, *, presence: bool) -> None:
             "goes on once a renewal answers that the lease holds, or is killed once the lease is given up",
             os.getpid(),
         )
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # To this thread: it takes the signal on its way back from the call and stops the process there.
+        # Sent to the process, any thread may take it, and this one ran on (and looped, logging again)
+        # until another got round to stopping them all.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     # The main process sees this process die, and acknowledges the task as forfeit.
     os.kill(os.getpid(), signal.SIGKILL)

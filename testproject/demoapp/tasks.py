@@ -215,6 +215,32 @@ def tick(self: Any, seconds: float, every: float = 0.5) -> int:
 
 
 @recoverable
+@shared_task(bind=True, name="demoapp.locked_tick")
+def locked_tick(self: Any, key: int, seconds: float, every: float = 0.25) -> int:
+    """``tick`` inside a database transaction that holds PostgreSQL's advisory lock ``key`` (as a row lock
+    would be held): a second execution waits for the first's transaction to end. Records ``locked`` in
+    its runs once it holds the lock."""
+    from django.db import connection, transaction
+
+    _record(self.request.id, "start")
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+        _record(self.request.id, "locked")
+        execution = os.urandom(4).hex()
+        end = time.monotonic() + seconds
+        seq = 0
+        while True:
+            _effect(self.request.id, execution, seq)
+            seq += 1
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            _sleep_steps(min(every, left))
+    _record(self.request.id, "finish")
+    return seq
+
+
+@recoverable
 @shared_task(bind=True, name="demoapp.requeue_once")
 def requeue_once(self: Any, seconds: float = 0.0) -> str:
     """Gives its message back to the broker (``Reject(requeue=True)``) after ``seconds`` the first time it
