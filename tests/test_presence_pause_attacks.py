@@ -432,3 +432,28 @@ def test_a_hard_time_limit_on_a_paused_task_ends_it_as_without_the_pause(
         events=OrphanEvent.objects.filter(task_id=result.id).count(),
     )
     assert row.status == "FAILURE" and starts(result.id) == 1, (row.status, row.result)
+
+
+# 7c. A paused pool process continued from outside (an operator's kill -CONT, a supervisor that continues
+# what it stops) while its boot was judged and its main process, cut off, still holds its lease by the
+# clock: the watchdog stops it again at once; its body must not act in between.
+def test_a_paused_execution_continued_from_outside_does_not_act(workers: Any, redis_client: Any) -> None:
+    with paused_by_a_cut_link(workers, redis_client, "outside", 40) as (_, result, pid, cut, _):
+        wait_for(lambda: starts(result.id) >= 2, 30, "the recovered execution")
+        recovered = time.time()
+        sent = 0
+        while alive(pid) and time.time() < recovered + 3:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                sent += 1
+            time.sleep(0.02)
+        found = quiet(result.id, seconds=2, timeout=60, stale=True)
+    report(
+        "a paused execution continued from outside after its recovery",
+        recovered_after=recovered - cut,
+        sigconts=sent,
+        executions=len(found.executions),
+        stale_effects=found.count,
+        overlap_seconds=found.window,
+    )
+    assert not found.stale, str(found)
