@@ -295,3 +295,33 @@ def test_the_main_process_kills_a_paused_pool_process_once_its_generation_is_giv
     state.active_requests.clear()
     forfeit.settle_paused()
     assert forfeit._validity[6] == 0.0  # nothing of a paused generation is left to look at
+
+
+# A paused pool process continued by anyone: the body's thread (SIGCONT's handler runs there) waits while
+# its execution does not hold, for the watchdog to stop the process again or end it, and goes on once it
+# holds. Continued inside its own check (a pause as the execution began, ``watchdog.begin``), it returns
+# at once: it holds the lock the watchdog would need, and looks again itself.
+def test_a_continued_body_waits_until_its_execution_holds_unless_it_is_the_one_checking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal
+    import threading
+    import time
+
+    from celery_orphans.worker import watchdog
+
+    holding = threading.Event()
+    rules = watchdog.Rules(lambda g: holding.is_set(), lambda g: True, lambda g: None, lambda: False)
+    monkeypatch.setattr(watchdog, "_rules", rules)
+    monkeypatch.setattr(watchdog, "_running", 7)
+    monkeypatch.setattr(watchdog, "_lock", threading.Lock())
+
+    with watchdog._locked():
+        began = time.monotonic()
+        watchdog._continued(signal.SIGCONT, None)
+        assert time.monotonic() - began < 0.05  # not a wait on itself
+
+    threading.Timer(0.2, holding.set).start()
+    began = time.monotonic()
+    watchdog._continued(signal.SIGCONT, None)
+    assert 0.15 < time.monotonic() - began < 1.0

@@ -29,12 +29,13 @@ gone (``presence.py``) be acted on at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from celery_orphans import logs
 from celery_orphans.conf import FORFEIT_LATENCY_SECONDS
@@ -47,6 +48,18 @@ _running: int | None = None
 _lock = threading.Lock()
 _watcher: int | None = None  # the pid whose watchdog thread runs
 _parent: int | None = None  # the worker's main process, which made this pool process
+_owner: int | None = None  # the thread that holds _lock, while one does (``_continued`` must not wait on it)
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    global _owner
+    with _lock:
+        _owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            _owner = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +93,7 @@ def begin(generation: int) -> None:
     handed to the pool before its worker was frozen, and picked up after its boot was given up), or
     pause it if it waits for its presence loss to be settled."""
     global _running
-    with _lock:
+    with _locked():
         _running = generation
         _check(generation, presence=False)
 
@@ -88,16 +101,16 @@ def begin(generation: int) -> None:
 def end() -> None:
     """The execution ended (``task_postrun``): nothing runs to watch until the next begins."""
     global _running
-    with _lock:
+    with _locked():
         _running = None
 
 
 def start(rules: Rules) -> None:
     """Watch from now on, in this prefork pool process (``handover.initialize``), by ``rules``."""
-    global _watcher, _running, _lock, _parent, _rules
+    global _watcher, _running, _lock, _parent, _rules, _owner
     if _watcher == os.getpid():
         return
-    _running, _lock = None, threading.Lock()  # a fork may have caught the parent's held
+    _running, _lock, _owner = None, threading.Lock(), None  # a fork may have caught the parent's held
     _rules = rules
     _watcher = os.getpid()
     _parent = os.getppid()
@@ -119,6 +132,8 @@ def _continued(signum: int, frame: object) -> None:
     execution had started, from 142 continues 20 ms apart. So the body waits here while its execution
     does not hold: the watchdog stops the process again, or ends it; once its main process continued it,
     it holds, and the body goes on."""
+    if _owner == threading.get_ident():
+        return  # continued inside its own check (``begin``), or holding the lock: it looks again itself
     while _running is not None and _rules is not None and not _rules.holds(_running):
         time.sleep(CONTINUED_POLL_SECONDS)
 
@@ -126,7 +141,7 @@ def _continued(signum: int, frame: object) -> None:
 def _watch() -> None:
     stop = threading.Event()  # never set: a sliced wait
     while not stop.wait(FORFEIT_LATENCY_SECONDS):
-        with _lock:
+        with _locked():
             if _running is not None:
                 _check(_running, presence=True)
 
