@@ -183,3 +183,42 @@ def test_a_pool_that_cannot_kill_still_counts_the_execution_forfeit(active, refu
 
     assert forfeit.stop_executions(Pool(refuse=refusal), 1) == 1
     assert running._orphans_forfeit is True
+
+
+# A pool process paused as its execution began (watchdog.begin) before its main process handled the
+# pool's word that it took the job: the request is not in active_requests yet. Its generation given up
+# meanwhile, the main process's pass found no request of a paused generation left and stopped looking
+# (the slot [6] cleared): the request that showed up next was never looked at, and its process stayed
+# stopped for ever, holding what it held (a transaction, a lock), its slot in the pool lost.
+def test_a_paused_process_whose_request_shows_up_late_is_still_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import subprocess
+    import time
+
+    from celery_orphans import processes
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os_kill = __import__("os").kill
+        os_kill(child.pid, signal.SIGSTOP)
+        for _ in range(100):
+            if processes.stopped(child.pid):
+                break
+            time.sleep(0.01)
+        running: list[Any] = []
+        monkeypatch.setattr(state, "active_requests", running)
+        forfeit.hold_until(3, clock.now() + 60)
+        forfeit.presence_lost(clock.now() - 0.01)
+        forfeit.main_alive()
+        assert forfeit.pauses(3)
+        forfeit.pausing(3)
+        forfeit.withdraw(4)  # given up before the main process heard of the job
+        forfeit.settle_paused()
+
+        running.append(SimpleNamespace(_orphans_generation=3, worker_pid=child.pid, id="t-1", name="x"))
+        forfeit.settle_paused()
+        assert child.wait(timeout=2) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()

@@ -294,7 +294,9 @@ def test_the_main_process_kills_a_paused_pool_process_once_its_generation_is_giv
 
     state.active_requests.clear()
     forfeit.settle_paused()
-    assert forfeit._validity[6] == 0.0  # nothing of a paused generation is left to look at
+    # Kept: a process that paused as its execution began may have its request show up only now
+    # (test_forfeit.py).
+    assert forfeit._validity[6] == 3.0
 
 
 # A paused pool process continued by anyone: the body's thread (SIGCONT's handler runs there) waits while

@@ -131,18 +131,19 @@ def settle_paused() -> None:
     """In the main process, at each slice of its deadline thread: continue each pool process paused under
     the current generation once that holds again (a renewal sent after the presence loss was answered),
     and kill each one paused under a generation given up since. A stopped process cannot have moved on
-    to another task, so the pid read from its request is still its own. Once no execution of a
-    generation that paused is left, nothing is looked at until the next pause."""
+    to another task, so the pid read from its request is still its own. Nothing is looked at before the
+    first pause, and from then on only the requests admitted under a generation that may have paused.
+    The slot is not cleared when none is left: a process may pause as its execution begins, before this
+    process has handled the pool's word that it took the job, and its request shows up afterwards."""
     paused = int(_validity[6])
     if not paused:
         return
     generation = int(_validity[1])
-    holding, left = holds(generation), False
+    holding = holds(generation)
     for request in list(state.active_requests):
         admitted, pid = getattr(request, "_orphans_generation", None), getattr(request, "worker_pid", None)
         if admitted is None or admitted > paused:
             continue
-        left = True
         if not pid or pid == os.getpid() or (admitted == generation and not holding):
             continue
         if processes.stopped(pid):
@@ -156,8 +157,6 @@ def settle_paused() -> None:
             )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-    if not left and paused != generation:
-        _validity[6] = 0.0
 
 
 def presence_lost(until: float) -> None:
