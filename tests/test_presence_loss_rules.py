@@ -222,10 +222,10 @@ def test_once_the_executions_paused_only_a_renewal_continues_them(lease_ms: int)
 
 
 class Running:
-    """What the main process reads of an active request of generation 3 run by pool process ``pid``."""
+    """What the main process reads of an active request of ``generation`` run by pool process ``pid``."""
 
-    def __init__(self, pid: int) -> None:
-        self._orphans_generation, self.worker_pid, self.name, self.id = 3, pid, "t", "i"
+    def __init__(self, pid: int, generation: int = 3) -> None:
+        self._orphans_generation, self.worker_pid, self.name, self.id = generation, pid, "t", "i"
 
 
 @pytest.fixture
@@ -327,3 +327,28 @@ def test_a_continued_body_waits_until_its_execution_holds_unless_it_is_the_one_c
     began = time.monotonic()
     watchdog._continued(signal.SIGCONT, None)
     assert 0.15 < time.monotonic() - began < 1.0
+
+
+def test_a_process_that_moved_on_from_an_execution_given_up_is_continued_not_killed(paused_process: Any):
+    # Its execution of generation 3 ended and the worker has not handled that yet, while the process took
+    # one of generation 4 and paused it: that one is continued once generation 4 holds.
+    from celery.worker import state
+
+    from celery_orphans import processes
+
+    forfeit.withdraw(4)
+    forfeit.hold_until(4, clock.now() + 60)
+    forfeit.presence_lost(clock.now() - 0.01)  # generation 4's executions pause
+    forfeit.pausing(4)
+    later = Running(paused_process.pid, generation=4)
+    state.active_requests.add(later)
+    try:
+        forfeit.settle_paused()
+        assert paused_process.poll() is None and processes.stopped(paused_process.pid)  # it waits
+
+        forfeit.presence_kept()  # a renewal sent after the loss was answered
+        forfeit.settle_paused()
+    finally:
+        state.active_requests.discard(later)
+
+    assert paused_process.poll() is None and not processes.stopped(paused_process.pid)

@@ -140,11 +140,21 @@ def settle_paused() -> None:
         return
     generation = int(_validity[1])
     holding = holds(generation)
-    for request in list(state.active_requests):
+    requests = list(state.active_requests)
+    # A process whose request of a generation given up is still listed (its end not handled yet) may
+    # have moved on to an execution of the current one, and paused that: it is that one's to settle.
+    current = {
+        getattr(r, "worker_pid", None)
+        for r in requests
+        if getattr(r, "_orphans_generation", None) == generation
+    }
+    for request in requests:
         admitted, pid = getattr(request, "_orphans_generation", None), getattr(request, "worker_pid", None)
         if admitted is None or admitted > paused:
             continue
         if not pid or pid == os.getpid() or (admitted == generation and not holding):
+            continue
+        if admitted != generation and pid in current:
             continue
         if processes.stopped(pid):
             signum = signal.SIGCONT if admitted == generation else signal.SIGKILL
