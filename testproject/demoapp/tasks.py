@@ -200,18 +200,23 @@ def tick(self: Any, seconds: float, every: float = 0.5) -> int:
     """Acts on the world every ``every`` seconds for ``seconds``: each act is a side effect that a stale
     execution must not make once a recovered one has started (tests/faults.py checks the overlap)."""
     _record(self.request.id, "start")
+    seq = _act(self.request.id, seconds, every)
+    _record(self.request.id, "finish")
+    return seq
+
+
+def _act(task_id: str, seconds: float, every: float) -> int:
+    """One execution's side effects, every ``every`` seconds for ``seconds``; how many it made."""
     execution = os.urandom(4).hex()
     end = time.monotonic() + seconds
     seq = 0
     while True:
-        _effect(self.request.id, execution, seq)
+        _effect(task_id, execution, seq)
         seq += 1
         left = end - time.monotonic()
         if left <= 0:
-            break
+            return seq
         _sleep_steps(min(every, left))
-    _record(self.request.id, "finish")
-    return seq
 
 
 @recoverable
@@ -226,16 +231,7 @@ def locked_tick(self: Any, key: int, seconds: float, every: float = 0.25) -> int
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
         _record(self.request.id, "locked")
-        execution = os.urandom(4).hex()
-        end = time.monotonic() + seconds
-        seq = 0
-        while True:
-            _effect(self.request.id, execution, seq)
-            seq += 1
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            _sleep_steps(min(every, left))
+        seq = _act(self.request.id, seconds, every)
     _record(self.request.id, "finish")
     return seq
 
