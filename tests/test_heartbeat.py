@@ -377,8 +377,8 @@ def test_a_worker_that_cannot_reach_its_ledger_at_start_holds_or_runs_tasks_unre
         assert recorded.get(timeout=20) == 3
         wait_for(lambda: not ledger.client().exists(Keys.current().entry(recorded.id)), 5, "its release")
     finally:
+        workers.close()  # first: a worker whose ledger goes away as it stops says it cannot renew
         proxy.close()
-        workers.close()
         ledger.stop()
 
     log = worker.log()
