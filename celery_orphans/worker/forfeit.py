@@ -111,7 +111,7 @@ def pauses(generation: int) -> bool:
     ``watchdog.py``), for its main process to settle it: its generation holds by its lease, only its
     presence connection's loss stops it (``presence_loss.py``), and the main process is alive to
     continue it once a renewal answers that the lease holds, or to end it once the lease does not
-    (``settle_paused``, ``stop_executions``). A frozen or stalled main process can do neither: then the
+    (``settle_paused``). A frozen or stalled main process can do neither: then the
     execution ends at once."""
     now = clock.now()
     return bool(
@@ -324,9 +324,9 @@ def stop_executions(pool: Any, generation: int) -> int:
 
     A running prefork pool process is not killed from here: it kills itself (``watchdog.py``), so a pid
     read from ``active_requests`` can never hit the process once it runs the next task. One paused
-    (``pauses``) is killed from here: stopped, it runs nothing else. On the solo and threads pools the
-    execution runs in a thread of this process, which cannot be stopped from outside: the body runs to
-    its end, refused only what ``guard_task`` guards."""
+    (``pauses``) is killed by ``settle_paused``: stopped, it runs nothing else. On the solo and threads
+    pools the execution runs in a thread of this process, which cannot be stopped from outside: the
+    body runs to its end, refused only what ``guard_task`` guards."""
     stopped = 0
     for request in list(state.active_requests):
         admitted = getattr(request, "_orphans_generation", None)
