@@ -82,6 +82,11 @@ def server_loading(exc: BaseException) -> bool:
     return isinstance(exc, redis.BusyLoadingError)
 
 
+def _pause_ahead() -> bool:
+    """Whether a presence loss's pause is armed and has not begun: no execution can be paused yet."""
+    return forfeit.presence_until() > clock.now()
+
+
 class Loss:
     """The end of one worker's presence connection, from the moment it ended by itself until a renewal sent
     since is answered; its executions stop holding unless the connection is made again first.
@@ -140,7 +145,7 @@ class Loss:
         judged the boot before the server went down: a server loading says nothing of that, and only a
         renewal continues them (``renewed``), as for ``kept``."""
         with self._lock:
-            if self._armed and forfeit.presence_until() > clock.now():  # not paused yet
+            if self._armed and _pause_ahead():
                 forfeit.presence_lost(clock.now() + forfeit_seconds())
 
     def renewed(self, sent_at: float) -> None:
@@ -157,7 +162,7 @@ class Loss:
         (no sweep judges a subscribed boot); the loss is made good only by a renewal (``renewed``). Once
         they stopped, a sweep may have judged the boot meanwhile: only a renewal continues them."""
         with self._lock:
-            if forfeit.presence_until() > clock.now():
+            if _pause_ahead():
                 self._disarm()
 
     def closed(self) -> None:
