@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from celery_orphans import scripts
+from celery_orphans.conf import settings
 from celery_orphans.entry import Entry, Unreadable, parse
 from celery_orphans.replies import NO_FENCE, fence_of
 from celery_orphans.replies import Admission as Admission
@@ -136,12 +137,20 @@ class Ledger:
         return (b"EVAL", scripts.STALE, 1, self.keys.fence(entry.task_id), d.retries, d.attempt)
 
     def hand_back(self, task_id: str, token: str) -> bool:
-        """Mark the entry written with ``token`` as handed back to the broker (see ``HAND_BACK``)."""
-        return bool(self._hand_back(keys=[self.keys.entry(task_id)], args=[token, time.time()]))
+        """Mark the entry written with ``token`` as handed back to the broker, and make ``token`` void (see
+        ``HAND_BACK``)."""
+        return bool(self._hand_back(keys=self._hand_back_keys(task_id), args=self._hand_back_args(token)))
 
     def hand_back_command(self, task_id: str, token: str) -> tuple[Any, ...]:
         """``hand_back`` as one ``EVAL`` command, for a connection of the caller's own."""
-        return (b"EVAL", scripts.HAND_BACK, 1, self.keys.entry(task_id), token, time.time())
+        return (b"EVAL", scripts.HAND_BACK, 2, *self._hand_back_keys(task_id), *self._hand_back_args(token))
+
+    def _hand_back_keys(self, task_id: str) -> list[str]:
+        return [self.keys.entry(task_id), self.keys.fence(task_id)]
+
+    @staticmethod
+    def _hand_back_args(token: str) -> list[Any]:
+        return [token, time.time(), settings.ATTEMPTS_WINDOW_SECONDS]
 
     def release(self, task_id: str, token: str) -> bool:
         """Remove the entry if it is still the one written with ``token``."""

@@ -22,6 +22,9 @@ class Admission:
     # Not written: the writing boot's lease had lapsed when the write reached Redis (held up on the way),
     # so an entry would name a boot the sweep judges gone. Nothing was recorded, as with a refused write.
     writer_gone: bool = False
+    # Not written: its token was made void by the hand-back of a delivery that carried it (HAND_BACK): the
+    # write reached Redis after its worker gave the message back.
+    given_back: bool = False
     # The entry of the same copy it found: the execution that lost the task, or the live one it duplicates.
     previous: Entry | Unreadable | None = None
 
@@ -70,6 +73,7 @@ def admission(task_id: str, reply: list[Any]) -> Admission:
         limit_reached=int(redelivered) == 2,
         duplicate=int(written) == 3,
         writer_gone=int(written) == 4,
+        given_back=int(written) == 5,
         previous=parse(task_id, b"", found[0] if found else None),
     )
 

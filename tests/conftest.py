@@ -12,7 +12,7 @@ import hypothesis
 import pytest
 import redis
 from celery import Celery
-from kombu import Connection, Exchange, Queue, pools
+from kombu import Connection, pools
 from pytest_django import Settings
 
 from celery_orphans import store
@@ -21,7 +21,7 @@ from celery_orphans.store import Keys, client
 from celery_orphans.worker import forfeit, lifecycle
 from celery_orphans.worker.heartbeat import Heartbeat
 from tests.helpers import MakeHeartbeat, database_url, wait_for
-from tests.services import TEST_DATABASE_NAME, MachineRedisGuard, RedisServer, SentinelSet, Vhost
+from tests.services import TEST_DATABASE_NAME, MachineRedisGuard, RedisServer, SentinelSet, Vhost, purge
 from tests.workers import WorkerPool
 
 # Property tests draw examples derived from each test rather than from a fresh seed, so a run is red or
@@ -178,16 +178,6 @@ def _reset_pools(app: Any) -> None:
     pools.reset()
     app._pool = None
     app.amqp._producer_pool = None
-
-
-def purge(url: str, *names: str) -> None:
-    """Empty the queues (declaring them if needed): a queue on RabbitMQ outlives a test."""
-    with Connection(url) as conn:
-        channel = conn.default_channel
-        for name in names:
-            queue = Queue(name, Exchange(name), name, channel=channel)
-            queue.declare()
-            queue.purge()
 
 
 @pytest.fixture

@@ -393,6 +393,18 @@ class Vhost:
             _rabbitmqctl("delete_vhost", self.name)
 
 
+def purge(url: str, *names: str) -> None:
+    """Empty the queues (declaring them if needed): a queue on RabbitMQ outlives a test."""
+    from kombu import Connection, Exchange, Queue
+
+    with Connection(url) as conn:
+        channel = conn.default_channel
+        for name in names:
+            queue = Queue(name, Exchange(name), name, channel=channel)
+            queue.declare()
+            queue.purge()
+
+
 def _rabbitmqctl(*args: str) -> None:
     binary = shutil.which("rabbitmqctl")
     if binary is None:
@@ -440,7 +452,8 @@ class TcpProxy:
 
     With ``only``, a fault meets only the connections whose client has sent those bytes (a name it gives
     itself with ``CLIENT SETNAME``), from the moment it sent them; every other connection passes, and new
-    connections are accepted while cut. ``faulted`` counts the connections a fault met.
+    connections are accepted while cut. ``spare_new()`` then keeps the fault from meeting any connection
+    made after it. ``faulted`` counts the connections a fault met.
     """
 
     def __init__(self, target: int, *, only: bytes | None = None) -> None:
@@ -457,6 +470,7 @@ class TcpProxy:
         self._links: list[_Link] = []
         self._changed = threading.Condition()
         self._closed = False
+        self._sparing = False
         threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
 
     def url(self, db: int = 0) -> str:
@@ -493,6 +507,11 @@ class TcpProxy:
 
     def restore(self) -> None:
         self.set(Mode.PASS)
+
+    def spare_new(self) -> None:
+        """Let every connection made from now on pass, whatever it sends; the ones already met stay so."""
+        with self._changed:
+            self._sparing = True
 
     def close(self) -> None:
         """Close every connection, chosen or not, and stop accepting."""
@@ -545,7 +564,7 @@ class TcpProxy:
                 except OSError:
                     near.close()
                     continue
-                link = _Link(near, far, chosen=self.only is None)
+                link = _Link(near, far, chosen=self.only is None and not self._sparing)
                 self._open |= {near, far}
                 self._links.append(link)
                 if link.chosen:
@@ -558,7 +577,8 @@ class TcpProxy:
         try:
             while data := source.recv(65536):
                 with self._changed:
-                    if self.only is not None and not link.chosen and direction == UP and self.only in data:
+                    choosing = self.only is not None and not self._sparing and not link.chosen
+                    if choosing and direction == UP and self.only in data:
                         link.chosen = True
                         self._meet(link)
                     # Held, not dropped, while this direction does not forward; given up if cut meanwhile.

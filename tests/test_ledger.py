@@ -767,3 +767,45 @@ def test_an_entry_is_never_written_under_a_boot_whose_lease_lapsed(ledger: Ledge
     ledger.client.delete(lease, ledger.keys.entry("t"))
     ledger.client.hset(ledger.keys.boots(e.node), e.boot, f"1:{2**50}")
     assert ledger.admit_delivery(e, terms=Terms(lease=lease)).admitted
+
+
+def test_a_write_that_reaches_redis_after_its_hand_back_mark_writes_nothing(ledger: Ledger) -> None:
+    """A waiting admission's write held up on its way to Redis, its connection closed when no answer came,
+    reaches Redis after its worker marked the message handed back (finding no entry yet) and gave it back.
+    Written, it would name the worker's live boot, unmarked, and every delivery of the copy would be
+    dropped as its duplicate: the task would never run while that worker lives. The mark makes its token
+    void."""
+    held = work_entry("t")
+    lease = ledger.keys.lease(held.node, held.boot)
+    ledger.client.set(lease, b"1", px=10_000)  # the writing boot is alive throughout
+    single_flight = Terms(lease=lease, single_flight=True)
+
+    fence = ledger.keys.fence("t")
+    ledger.client.hset(fence, "attempts", 1)
+    ledger.client.expire(fence, 5)  # a recovery's count, about to lapse
+    assert ledger.hand_back("t", held.token) is False  # the mark finds no entry: nothing to mark
+    assert 86_000 < ledger.client.ttl(fence) <= 86_400  # kept ATTEMPTS_WINDOW_SECONDS from the mark
+
+    late = ledger.admit_delivery(held, terms=single_flight)
+    assert (late.given_back, late.writer_gone, late.admitted) == (True, False, False)
+    assert not ledger.client.exists(ledger.keys.entry("t"))
+    # The copy, delivered to a peer (or to the same worker, with a token of its own), is admitted.
+    again = work_entry("t")
+    assert ledger.admit_delivery(again, terms=single_flight).admitted
+    # The held write reaching Redis after the copy's admission changes nothing either.
+    assert ledger.admit_delivery(held, terms=single_flight).given_back
+    assert ledger.load(["t"]) == {"t": again}
+
+
+def test_a_write_that_reaches_redis_after_its_entry_was_marked_does_not_unmark_it(ledger: Ledger) -> None:
+    """The same write sent twice (its first answer lost, the message given back unmarked while Redis
+    refused the mark, then delivered to the same worker again) may land after a mark that did find the
+    entry: it must not write the entry over without its mark."""
+    written = work_entry("t")
+    lease = ledger.keys.lease(written.node, written.boot)
+    ledger.client.set(lease, b"1", px=10_000)
+    ledger.admit_delivery(written, terms=Terms(lease=lease))
+
+    assert ledger.hand_back("t", written.token) is True
+    assert ledger.admit_delivery(written, terms=Terms(lease=lease, single_flight=True)).given_back
+    assert ledger.client.hexists(ledger.keys.entry("t"), "handed_back")

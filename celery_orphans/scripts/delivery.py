@@ -24,14 +24,17 @@ import hashlib
 # published twice) is dropped as stale. The fence's 'copy' is the attempt the current copy carries, which
 # such a count leaves as it was; the fence drops copies older than it.
 # An entry that already carries this write's token (ARGV[4]) is this very write's, made before by a try
-# whose answer was lost (the writing boot gave the message back unrun and, delivered again, sends it
-# once more): it is neither a duplicate nor a redelivery to count again, and is written over.
+# whose answer was lost (the writing boot gave the message back unrun, Redis refusing its mark, and,
+# delivered again, sends it once more): it is neither a duplicate nor a redelivery to count again, and is
+# written over.
 # An entry is never written under a boot the sweep would judge gone (its lease key and its record's last
 # renewal both lapsed): a write held up by the network (a dark link that heals) lands after the writer gave
 # that boot up and ran the task unprotected, and an entry naming the gone boot would have it recovered
-# beside that run. It is refused instead (4), as a write Redis refused is.
+# beside that run. It is refused instead (4), as a write Redis refused is. So is a write whose token
+# HAND_BACK made void (5): it reached Redis after its worker gave the message back (see there).
 # Returns {0 stale / 1 admitted / 2 admitted with a checkpoint / 3 a duplicate of a live execution / 4 not
-# written: the writing boot is gone, recoveries, 1 counted / 2 at the cap}, and the entry found for the
+# written: the writing boot is gone / 5 not written: the token is void, recoveries, 1 counted / 2 at the
+# cap}, and the entry found for the
 # same copy, if any: the record names the worker that lost the task, or the one that runs it. The cap is
 # the higher of ARGV[7] and the count an operator lifted it to ('lifted', see LIFT). An entry kept at the
 # cap ('capped') is never released.
@@ -52,7 +55,8 @@ local function alive(lease, record, boot)
   local t = redis.call('TIME')
   return until_ms > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local f = redis.call('HMGET', KEYS[1], 'attempts', 'retries', 'terminal', 'copy', 'ran', 'lifted')
+local f = redis.call('HMGET', KEYS[1], 'attempts', 'retries', 'terminal', 'copy', 'ran', 'lifted',
+  'void:' .. ARGV[4])
 local attempts = tonumber(f[1]) or 0
 local retries = tonumber(f[2]) or -1
 local msg_retries = tonumber(ARGV[2])
@@ -63,6 +67,7 @@ if f[3] == '1' and msg_retries <= retries then return {0, attempts, 0} end
 if msg_retries < retries or (msg_retries == retries and msg_attempt < current) then
   return {0, attempts, 0}
 end
+if f[7] then return {5, attempts, 0} end
 if ARGV[9] ~= '' and not alive(ARGV[9], ARGV[11], ARGV[12]) then return {4, attempts, 0} end
 local copy = ARGV[2] .. ':' .. ARGV[3]
 local redelivered, found = 0, false
@@ -135,11 +140,19 @@ end
 return released
 """
 
-# KEYS: a task's entry. ARGV: the token it was written with, the time. A worker hands the message of an
-# execution back to the broker (a shutdown that cancels it, a requeue): the entry stays, so the task is
-# not forgotten should the message never come back, but marked, so no sweep takes the execution for an
-# orphan while the broker holds the message. Returns 1 if marked.
+# KEYS: a task's entry, its fence. ARGV: the token it was written with, the time, the fence's TTL. A
+# worker hands the message of an execution back to the broker (a shutdown that cancels it, a requeue, a
+# write that got no answer): the entry stays, so the task is not forgotten should the message never come
+# back, but marked, so no sweep takes the execution for an orphan while the broker holds the message.
+# The token is void from then on, whatever was found: a write made with it that Redis has not read yet
+# (held up on a connection its worker closed when no answer came) would otherwise land after this mark
+# and leave an unmarked entry naming the worker's live boot, which every admission of the message would
+# take for a live duplicate. ADMIT refuses a void token; the fence keeps it for at least ``ttl`` seconds
+# from the mark (a fence kept for good, by a lift of the cap, stays so). Returns 1 if marked.
 HAND_BACK = """
+local ttl = redis.call('TTL', KEYS[2])
+redis.call('HSET', KEYS[2], 'void:' .. ARGV[1], '1')
+if ttl == -2 or (ttl >= 0 and ttl < tonumber(ARGV[3])) then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
 if redis.call('HEXISTS', KEYS[1], 'capped') == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'handed_back', ARGV[2])

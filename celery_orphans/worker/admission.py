@@ -43,6 +43,7 @@ class AdmittedRequest(_Request):
 
     if TYPE_CHECKING:
         _already_revoked: bool  # Celery's: revoked() answers True from then on
+        _connection_errors: tuple[type[BaseException], ...]  # Celery's: the broker's, for reject_log_error
 
     _orphans_checked: bool = False
     _orphans_token: str | None = None
@@ -93,8 +94,8 @@ class AdmittedRequest(_Request):
         # The generation whose boot the entry names is the one stamped on the execution, whatever the
         # generation is by the time the write is answered.
         generation = heartbeat.generation
-        # A message this boot gave back when its write got no answer is written with that write's token:
-        # an entry the write left is then its own (``ADMIT``), not a live execution to drop it for.
+        # A message this boot gave back unmarked (Redis refused the mark) after its write got no answer is
+        # written with that write's token: an entry the write left is its own (``ADMIT``), not a duplicate.
         token = holds.token_for(self.id, heartbeat.boot) or heartbeat.token()
         entry = entry_for(self, heartbeat, token)
         if heartbeat.generation != generation:  # given up meanwhile: the entry names a boot with no lease
@@ -134,12 +135,11 @@ class AdmittedRequest(_Request):
                 # No answer in time: the write may yet land, naming this live boot, and a sweep that
                 # reaches Redis may recover an earlier delivery's entry meanwhile. Run here, the task
                 # could run twice: the message goes back unrun. Once sent, Redis may have written its
-                # entry: marked handed back before the message goes, and written over at its next
-                # delivery here (``holds.token_for``); elsewhere, it is no duplicate of a live execution.
+                # entry: marked handed back before the message goes, its token void should the write
+                # land only later; so no delivery, here or elsewhere, is a duplicate of a live execution.
                 why = f"its ledger write got no answer in time ({exc})"
                 if isinstance(exc, NotSent):
                     return self._orphans_hold(why)
-                holds.unanswered(self.id, token)
                 return self._orphans_hold(why, unanswered=(current, token))
             # Refused (OOM, READONLY, MISCONF): nothing was written. Held while the trouble is young;
             # then fail open: the task runs, it just cannot be recovered if this worker dies, and no sweep
@@ -153,6 +153,8 @@ class AdmittedRequest(_Request):
             redelivery.drop_duplicate(self, admission.previous)
             self._orphans_drop()
             return False
+        if admission.given_back:  # its token was that of a delivery given back before: nothing written
+            return self._orphans_hold("its write carried the token of a delivery given back before")
         if admission.writer_gone and not redelivery.first_hand(self):
             # An earlier delivery's entry, if any, names a boot a sweep may judge gone and recover the task
             # from while this one would run unprotected (a worker whose first lease lapsed before it was
@@ -267,7 +269,12 @@ class AdmittedRequest(_Request):
         self._orphans_drop()
 
     def _orphans_requeue(self) -> None:
-        self.reject(requeue=True)
+        """``reject(requeue=True)``, sent at once: Celery's goes through the loop's ``call_soon``, which,
+        called from a timer of the loop (a hand-back that waited), waits for the loop's next poll."""
+        if not self.acknowledged:
+            self.message.reject_log_error(logger, self._connection_errors, requeue=True)
+            self.acknowledged = True
+            self.send_event("task-rejected", requeue=True)
 
     def _orphans_drop(self) -> None:
         task_ready(self)
@@ -289,8 +296,8 @@ class AdmittedRequest(_Request):
             ledger, token = unanswered
             give_back_marked(ledger, self.id, token, heartbeat, wait, self._orphans_requeue)
             return False
-        if not wait or not later(wait, self.reject, True):
-            self.reject(requeue=True)
+        if not wait or not later(wait, self._orphans_requeue):
+            self._orphans_requeue()
         return False
 
 

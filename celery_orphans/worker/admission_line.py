@@ -45,8 +45,8 @@ def admit(
     command = ledger.admit_command(entry, releases, terms)
     deadline = time.monotonic() + seconds
     # Never sent twice: a failure is a write that may or may not have landed, and the caller decides (a
-    # message delivered before goes back to the broker, and its next delivery here carries the same
-    # token, which writes over the entry such a write left: ``ADMIT``).
+    # message delivered before goes back to the broker, its entry marked and its token made void first:
+    # ``HAND_BACK``).
     reply = _execute(ledger, command, seconds)
     if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost its scripts (a restart)
         reply = _execute(ledger, (b"EVAL", scripts.ADMIT, *command[2:]), deadline - time.monotonic())

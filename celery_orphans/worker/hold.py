@@ -51,8 +51,9 @@ class Holds:
         self._failing_open = False  # the hold ran out: said once per trouble
         self._worker_wait = 0.0  # the next wait while the trouble is the worker's (0: none yet)
         self._worker_said = False
-        # The token of each task given back when its write got no answer: Redis may have written its entry.
-        self._unanswered: dict[str, str] = {}
+        # The token of each task given back unmarked after its write got no answer (Redis refused the
+        # mark): Redis may have written its entry, which its next delivery here then writes over.
+        self._unmarked: dict[str, str] = {}
 
     def refused(self) -> None:
         """The ledger refused an entry of this process (from the main loop or the outbox's thread)."""
@@ -69,15 +70,17 @@ class Holds:
         if answered:
             self.refused_since, self._failing_open = None, False
 
-    def unanswered(self, task_id: str, token: str) -> None:
-        """``task_id`` goes back to the broker after its write, made with ``token``, got no answer."""
-        if len(self._unanswered) >= REMEMBERED:
-            self._unanswered.clear()
-        self._unanswered[task_id] = token
+    def unmarked(self, task_id: str, token: str) -> None:
+        """``task_id`` goes back to the broker unmarked: its write, made with ``token``, got no answer, and
+        Redis refused the mark (which, answered, makes the token void instead: ``HAND_BACK``)."""
+        if len(self._unmarked) >= REMEMBERED:
+            self._unmarked.clear()
+        self._unmarked[task_id] = token
 
     def token_for(self, task_id: str, boot: str) -> str | None:
-        """The token of ``task_id``'s unanswered write, if ``boot`` made it; forgotten once asked for."""
-        token = self._unanswered.pop(task_id, None)
+        """The token of ``task_id``'s write given back unmarked, if ``boot`` made it; forgotten once asked
+        for."""
+        token = self._unmarked.pop(task_id, None)
         return token if token is not None and token.startswith(f"{boot}.") else None
 
     def holding(self, heartbeat: Heartbeat) -> bool:
@@ -139,7 +142,8 @@ def give_back_marked(
 ) -> None:
     """``give_back()`` a message whose write, made with ``token``, got no answer, once the entry Redis may
     have written for it is marked handed back (``HAND_BACK``: a message given back by its worker), so
-    that no worker the broker delivers it to takes it for a duplicate of a live execution and drops it.
+    that no worker the broker delivers it to takes it for a duplicate of a live execution and drops it,
+    and ``token`` made void, so that the write, should Redis read it only now, writes nothing.
     The mark is tried in ``wait`` seconds, then again, waiting twice as long each time up to a heartbeat,
     while the link gives no answer; the message stays with this worker meanwhile, unrun. It goes back
     unmarked once the boot that wrote the entry was given up: a sweep may then recover the task from it.
@@ -155,7 +159,9 @@ def give_back_marked(
                 if later(wait, attempt, wait):
                     return
             except redis.RedisError:
-                pass  # refused: nothing was marked, as when Redis refuses the mark of a requeue
+                # Refused: nothing was marked, as when Redis refuses the mark of a requeue, and the token is
+                # not void: delivered here again, the message is written with it, over what it left.
+                holds.unmarked(task_id, token)
         give_back()
 
     if not later(max(wait, FIRST_WAIT_SECONDS), attempt, max(wait, FIRST_WAIT_SECONDS)):

@@ -111,6 +111,11 @@ def not_recorded(write: Write, exc: Exception) -> None:
 
 def check(write: Write, answer: Admission) -> None:
     entry = write.entry
+    if answer.given_back:
+        # Its message went back to the broker (a requeue, a shutdown's cancel) before the write reached
+        # Redis: there is nothing to record.
+        logger.debug("%s[%s] was given back before its entry reached Redis", entry.task_name, entry.task_id)
+        return
     if answer.writer_gone:
         not_recorded(write, redis.ResponseError("its boot's lease had lapsed when the write reached Redis"))
         return
