@@ -37,6 +37,35 @@ pytestmark = pytest.mark.worker
 DARK_SECONDS = 4.0  # the replies are held this long after the copy is sent: it is given back meanwhile
 
 
+def entry_names(redis_client: Any, task_id: str, node: str) -> bool:
+    """Whether the task's ledger entry names ``node``, as its worker or by its lease."""
+    entry = redis_client.hgetall(Keys.current().entry(task_id))
+    return node.encode() in entry.get(b"entry", b"") + entry.get(b"lease", b"")
+
+
+def second_run(task_id: str, since: float, what: str) -> tuple[float, str]:
+    """Seconds from ``since`` until the task's second execution began (-1: not within 8 s) and, when it
+    did not, what a sweep then decides (``none`` otherwise), its recovery given 5 s to run."""
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: starts(task_id) >= 2, 8, what, interval=0.05)
+        return time.monotonic() - since, "none"
+    # Dropped as a duplicate of the execution its entry names, which its live worker does not have: a
+    # sweep that asks that worker could recover the task from the entry.
+    found = outcome_of(sweep_now(), task_id).decision
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: starts(task_id) >= 2, 5, "a second recovery to run", interval=0.05)
+    return -1.0, f"{found.action.value}:{found.reason.value}:{found.evidence.value}"
+
+
+def final_state(result: Any) -> str:
+    """The task's state once it ended (or 20 s passed), and a second more, in which a second run would
+    have begun."""
+    with contextlib.suppress(Exception):
+        result.get(timeout=20)
+    time.sleep(1)
+    return str(result.state)
+
+
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 @pytest.mark.parametrize("redelivered_to", ["itself", "a peer"])
 def test_a_recovered_copy_whose_written_entry_got_no_answer_runs_once_when_delivered_again(
@@ -86,31 +115,15 @@ def test_a_recovered_copy_whose_written_entry_got_no_answer_runs_once_when_deliv
         held = f"gave demoapp.summarize[{result.id}] back to the broker unrun"
         wait_for(lambda: held in survivor.log(), 20, "the recovered copy to be handed back", interval=0.05)
         given_back_after = time.monotonic() - sent
-        entry = redis_client.hgetall(Keys.current().entry(result.id))
-        written = b"survivor-lost@test" in entry.get(b"entry", b"") + entry.get(b"lease", b"")
+        written = entry_names(redis_client, result.id, "survivor-lost@test")
         if peer is not None:
             current_app.control.cancel_consumer("lost", destination=["survivor-lost@test"], reply=True)
             current_app.control.add_consumer("lost", destination=["peer-lost@test"], reply=True, timeout=5)
         time.sleep(max(0.0, DARK_SECONDS - (time.monotonic() - sent)))
         ran_while_dark = starts(result.id) - 1
         proxy.restore()
-        restored = time.monotonic()
-        ran_after = -1.0  # never
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: starts(result.id) >= 2, 8, "the recovered copy to run", interval=0.05)
-            ran_after = time.monotonic() - restored
-        swept = "none"
-        if ran_after < 0:
-            # Dropped as a duplicate of the execution its entry names, which its live worker does not
-            # have: a sweep that asks that worker could recover the task from the entry.
-            found = outcome_of(sweep_now(), result.id).decision
-            swept = f"{found.action.value}:{found.reason.value}:{found.evidence.value}"
-            with contextlib.suppress(AssertionError):
-                wait_for(lambda: starts(result.id) >= 2, 5, "a second recovery to run", interval=0.05)
-        with contextlib.suppress(Exception):
-            result.get(timeout=20)
-        time.sleep(1)  # a second run would have begun by now
-        status = result.state
+        ran_after, swept = second_run(result.id, time.monotonic(), "the recovered copy to run")
+        status = final_state(result)
     finally:
         proxy.close()
     logs = survivor.log() + (peer.log() if peer is not None else "")
@@ -178,22 +191,10 @@ def test_a_write_that_reaches_redis_after_its_message_was_given_back_writes_noth
         assert starts(result.id) == 1, "the copy ran while its write was held"
         proxy.restore()  # the held write reaches Redis
         time.sleep(0.5)
-        entry = redis_client.hgetall(Keys.current().entry(result.id))
-        written_late = b"survivor-late@test" in entry.get(b"entry", b"") + entry.get(b"lease", b"")
+        written_late = entry_names(redis_client, result.id, "survivor-late@test")
         control.add_consumer("late", destination=["peer-late@test"], reply=True, timeout=5)
-        given = time.monotonic()
-        ran_after = -1.0  # never
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: starts(result.id) >= 2, 8, "the copy to run on the peer", interval=0.05)
-            ran_after = time.monotonic() - given
-        swept = "none"
-        if ran_after < 0:
-            found = outcome_of(sweep_now(), result.id).decision
-            swept = f"{found.action.value}:{found.reason.value}:{found.evidence.value}"
-        with contextlib.suppress(Exception):
-            result.get(timeout=20)
-        time.sleep(1)  # a second run would have begun by now
-        status = result.state
+        ran_after, swept = second_run(result.id, time.monotonic(), "the copy to run on the peer")
+        status = final_state(result)
     finally:
         proxy.close()
     report(
@@ -240,8 +241,7 @@ def test_a_first_delivery_whose_waiting_admission_gets_no_answer_is_handed_back_
         with contextlib.suppress(AssertionError):
             wait_for(lambda: held in worker.log() or starts(result.id), 10, "the delivery to be held or run")
         decided_after = time.monotonic() - sent
-        entry = redis_client.hgetall(Keys.current().entry(result.id))
-        written = b"first-lost@test" in entry.get(b"entry", b"") + entry.get(b"lease", b"")
+        written = entry_names(redis_client, result.id, "first-lost@test")
         time.sleep(max(0.0, DARK_SECONDS - (time.monotonic() - sent)))
         ran_while_dark = starts(result.id)
         admission.restore()
