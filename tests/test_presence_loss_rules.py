@@ -159,6 +159,29 @@ def test_a_pool_process_stopped_with_its_main_process_does_not_count_their_commo
     assert check.closed()
 
 
+def test_an_execution_thawed_with_its_main_process_pauses_before_that_process_speaks(
+    connected: tuple[socket.socket, socket.socket],
+):
+    """A whole worker frozen across the loss of its presence connection (a ledger restart), then thawed:
+    the pool process's watchdog may look before its main process ticks. Their common stop is no silence
+    of the main process: the execution pauses, for the main process to settle it, instead of ending as
+    under a stalled main process (CI saw such a thaw end the execution, and the task ran again)."""
+    client, server = connected
+    forfeit.presence_socket(sockets.inode(client.fileno()))
+    server.close()
+    forfeit.hold_until(3, clock.now() + 60)
+    forfeit.presence_lost(clock.now() - 5)  # its instant passed during the stop
+    check = forfeit.PresenceCheck()
+    forfeit._validity[4] = clock.now() - 10  # the main process's last word, before the stop
+    check._last = check._resumed = clock.now() - 10  # this process's last slice, before the stop too
+
+    assert not forfeit.pauses(3)  # by the main process's silence alone, it would end
+    assert not check.closed()  # the first slice after the thaw
+    assert check.pauses(3)
+    check._resumed -= 2 * forfeit.MAIN_SILENT_SECONDS  # and the main process did not speak within a second
+    assert not check.pauses(3)
+
+
 def test_a_connection_made_again_holds_the_forfeit_off_but_only_a_renewal_makes_its_loss_good(lease_ms: int):
     # A sweep that marked the boot missing while its connection was lost keeps the mark until a renewal
     # clears it, and may judge by it the moment the connection ends again: that loss counts from the first.

@@ -106,19 +106,20 @@ def holds(generation: int) -> bool:
     return bool(_validity[1] == generation and now < valid_until and not 0.0 < presence_until <= now)
 
 
-def pauses(generation: int) -> bool:
+def pauses(generation: int, resumed: float = 0.0) -> bool:
     """Whether an execution of ``generation`` that does not hold only waits, paused (its process stopped,
     ``watchdog.py``), for its main process to settle it: its generation holds by its lease, only its
     presence connection's loss stops it (``presence_loss.py``), and the main process is alive to
     continue it once a renewal answers that the lease holds, or to end it once the lease does not
     (``settle_paused``). A frozen or stalled main process can do neither: then the
-    execution ends at once."""
+    execution ends at once. ``resumed``: when the asking process came back from a stop of its own (its
+    whole worker frozen, then thawed), from which the main process's silence counts."""
     now = clock.now()
     return bool(
         _validity[1] == generation
         and now < _validity[0]
         and 0.0 < _validity[3] <= now
-        and now - _validity[4] < MAIN_SILENT_SECONDS
+        and now - max(float(_validity[4]), resumed) < MAIN_SILENT_SECONDS
     )
 
 
@@ -225,6 +226,11 @@ class PresenceCheck:
         # Not established: closed or reset by its peer, though its holder did not close it (it would have
         # said so first, ``presence_socket(0)``). Unreadable tables tell nothing.
         return sockets.established(inode) is False and watched_socket() == inode
+
+    def pauses(self, generation: int) -> bool:
+        """``pauses(generation)`` as this process sees it: a main process silent only through a stop they
+        shared (a whole worker thawed, ``closed()`` having seen the late slice) gets its time to speak."""
+        return pauses(generation, self._resumed)
 
 
 def settled(generation: int, timeout: float) -> bool:

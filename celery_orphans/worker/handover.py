@@ -79,9 +79,8 @@ def initialize(validity: Any, initializer: Any, *initargs: Any) -> None:
     forfeit.adopt(validity)
     if initializer is not None:
         initializer(*initargs)
-    watchdog.start(
-        watchdog.Rules(forfeit.holds, forfeit.pauses, forfeit.pausing, forfeit.PresenceCheck().closed)
-    )
+    check = forfeit.PresenceCheck()
+    watchdog.start(watchdog.Rules(forfeit.holds, check.pauses, forfeit.pausing, check.closed))
 
 
 def unsupported(start_method: str, transport: str) -> str | None:
