@@ -139,18 +139,17 @@ class Ledger:
     def hand_back(self, task_id: str, token: str) -> bool:
         """Mark the entry written with ``token`` as handed back to the broker, and make ``token`` void (see
         ``HAND_BACK``)."""
-        return bool(self._hand_back(keys=self._hand_back_keys(task_id), args=self._hand_back_args(token)))
+        keys, args = self._hand_back_call(task_id, token)
+        return bool(self._hand_back(keys=keys, args=args))
 
     def hand_back_command(self, task_id: str, token: str) -> tuple[Any, ...]:
         """``hand_back`` as one ``EVAL`` command, for a connection of the caller's own."""
-        return (b"EVAL", scripts.HAND_BACK, 2, *self._hand_back_keys(task_id), *self._hand_back_args(token))
+        keys, args = self._hand_back_call(task_id, token)
+        return (b"EVAL", scripts.HAND_BACK, len(keys), *keys, *args)
 
-    def _hand_back_keys(self, task_id: str) -> list[str]:
-        return [self.keys.entry(task_id), self.keys.fence(task_id)]
-
-    @staticmethod
-    def _hand_back_args(token: str) -> list[Any]:
-        return [token, time.time(), settings.ATTEMPTS_WINDOW_SECONDS]
+    def _hand_back_call(self, task_id: str, token: str) -> tuple[list[str], list[Any]]:
+        keys = [self.keys.entry(task_id), self.keys.fence(task_id)]
+        return keys, [token, time.time(), settings.ATTEMPTS_WINDOW_SECONDS]
 
     def release(self, task_id: str, token: str) -> bool:
         """Remove the entry if it is still the one written with ``token``."""

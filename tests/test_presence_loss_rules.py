@@ -144,15 +144,22 @@ def test_a_pool_process_reads_the_kernel_only_while_its_main_process_is_silent(
     assert not check.closed()
 
 
-def test_a_pool_process_stopped_with_its_main_process_does_not_count_their_common_stop_as_silence(
-    connected: tuple[socket.socket, socket.socket],
-):
+def thawed(connected: tuple[socket.socket, socket.socket]) -> forfeit.PresenceCheck:
+    """A pool process's check, its presence connection closed by its peer (as a restart of Redis does)
+    while this process and its main process were stopped together 10 s; neither has spoken since."""
     client, server = connected
     forfeit.presence_socket(sockets.inode(client.fileno()))
-    server.close()  # as a restart of Redis during the stop does
+    server.close()
     check = forfeit.PresenceCheck()
     forfeit._validity[4] = clock.now() - 10  # the main process's last word, before the stop
     check._last = check._resumed = clock.now() - 10  # this process's last slice, before the stop too
+    return check
+
+
+def test_a_pool_process_stopped_with_its_main_process_does_not_count_their_common_stop_as_silence(
+    connected: tuple[socket.socket, socket.socket],
+):
+    check = thawed(connected)
 
     assert not check.closed()  # thawed together: the main process gets its time to speak
     check._resumed -= 2 * forfeit.MAIN_SILENT_SECONDS  # and did not, a second after the thaw
@@ -166,14 +173,9 @@ def test_an_execution_thawed_with_its_main_process_pauses_before_that_process_sp
     the pool process's watchdog may look before its main process ticks. Their common stop is no silence
     of the main process: the execution pauses, for the main process to settle it, instead of ending as
     under a stalled main process (CI saw such a thaw end the execution, and the task ran again)."""
-    client, server = connected
-    forfeit.presence_socket(sockets.inode(client.fileno()))
-    server.close()
+    check = thawed(connected)
     forfeit.hold_until(3, clock.now() + 60)
     forfeit.presence_lost(clock.now() - 5)  # its instant passed during the stop
-    check = forfeit.PresenceCheck()
-    forfeit._validity[4] = clock.now() - 10  # the main process's last word, before the stop
-    check._last = check._resumed = clock.now() - 10  # this process's last slice, before the stop too
 
     assert not forfeit.pauses(3)  # by the main process's silence alone, it would end
     assert not check.closed()  # the first slice after the thaw

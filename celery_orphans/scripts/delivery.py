@@ -34,10 +34,9 @@ import hashlib
 # HAND_BACK made void (5): it reached Redis after its worker gave the message back (see there).
 # Returns {0 stale / 1 admitted / 2 admitted with a checkpoint / 3 a duplicate of a live execution / 4 not
 # written: the writing boot is gone / 5 not written: the token is void, recoveries, 1 counted / 2 at the
-# cap}, and the entry found for the
-# same copy, if any: the record names the worker that lost the task, or the one that runs it. The cap is
-# the higher of ARGV[7] and the count an operator lifted it to ('lifted', see LIFT). An entry kept at the
-# cap ('capped') is never released.
+# cap}, and the entry found for the same copy, if any: the record names the worker that lost the task, or
+# the one that runs it. The cap is the higher of ARGV[7] and the count an operator lifted it to
+# ('lifted', see LIFT). An entry kept at the cap ('capped') is never released.
 ADMIT = """
 for i = 5, #KEYS do
   local j = 13 + 2 * (i - 5)
